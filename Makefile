@@ -1,0 +1,29 @@
+# One venv for everything. The CPU build of torch goes in first, so that the bare
+# `torch>=2.4` requirement is already satisfied and pip never pulls a CUDA build.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH ?= torch==2.13.0
+
+.PHONY: setup test lint serve bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+setup: $(BIN)/python
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test,bench]'
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q tests
+
+serve: setup
+	$(BIN)/prefixserve serve
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,1 @@
+"""Load generation, workloads, metrics and reports."""

@@ -1,0 +1,1 @@
+"""Entry points and assembly: OpenAI HTTP ingress, typed config, Serve app builder, CLI."""

@@ -1,0 +1,1 @@
+"""Routing knowledge: how prefixes are named, announced, recorded and scored."""

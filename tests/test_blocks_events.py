@@ -1,0 +1,119 @@
+"""The block-hash chain and the KV event wire format: the contract between workers and routers."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from router.blocks import ROOT, BlockHasher, hash_block, hash_chain, namespace
+from router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    EventDecodeError,
+    WorkerLoad,
+    decode_batch,
+    decode_load,
+    encode_batch,
+    encode_load,
+)
+
+NS = namespace("tiny-llama")
+
+
+def test_pinned_digests() -> None:
+    # An accidental change to the layout breaks routing across versions: fail loudly.
+    assert ROOT.hex() == "b710b170f17bc6bbe7409fb5b566e01c"
+    assert NS.hex() == "473522c1957565684ad9b7a7516ec4e2"
+    assert namespace("tiny-llama", "tenant-a").hex() == "2a0c72c40d76f42345273d4ae9f6a635"
+    assert [h.hex() for h in hash_chain(list(range(40)), 16, NS)] == [
+        "ce3597f4b95dfe59b236a1e400c8fe0a",
+        "f9950800ea96f3bbac990e22f64db51e",
+    ]
+
+
+def test_only_full_blocks_and_prefix_property() -> None:
+    assert hash_chain(list(range(15)), 16, NS) == []
+    a = hash_chain(list(range(64)), 16, NS)
+    b = hash_chain(list(range(48)) + [9, 9, 9, 9] * 4, 16, NS)
+    assert len(a) == 4 and a[:3] == b[:3] and a[3] != b[3]
+    assert all(len(h) == 16 for h in a)
+
+
+def test_namespace_isolates_salt_and_model() -> None:
+    tokens = list(range(32))
+    plain = hash_chain(tokens, 16, namespace("m"))
+    salted = hash_chain(tokens, 16, namespace("m", "t1"))
+    other = hash_chain(tokens, 16, namespace("m", "t2"))
+    other_model = hash_chain(tokens, 16, namespace("m2"))
+    assert len({plain[0], salted[0], other[0], other_model[0]}) == 4
+    # An empty salt is still a salt: it must not collide with "no salt".
+    assert hash_chain(tokens, 16, namespace("m", ""))[0] != plain[0]
+
+
+def test_incremental_equals_one_shot() -> None:
+    tokens = list(range(100))
+    hasher = BlockHasher(16, NS)
+    got = []
+    for i in range(0, 100, 7):
+        got += hasher.append(tokens[i : i + 7])
+    assert got == hasher.hashes == hash_chain(tokens, 16, NS)
+    assert hasher.num_tokens == 100
+
+
+def test_layout_is_not_string_joining() -> None:
+    # [1, 23] and [12, 3] join to the same string; the binary layout keeps them apart.
+    assert hash_block(ROOT, [1, 23]) != hash_block(ROOT, [12, 3])
+    with pytest.raises(ValueError):
+        hash_block(ROOT, [-1])
+    with pytest.raises(ValueError):
+        hash_block(b"short", [1])
+
+
+def test_batch_round_trip() -> None:
+    h = hash_chain(list(range(48)), 16, NS)
+    batch = EventBatch(
+        worker_id=3,
+        epoch=7,
+        seq=42,
+        events=(BlockStored(tuple(h), None), BlockRemoved((h[2],)), AllBlocksCleared()),
+        timestamp=12.5,
+    )
+    assert decode_batch(encode_batch(batch)) == batch
+    assert msgpack.unpackb(encode_batch(batch))["events"][0]["type"] == "stored"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",
+        encode_batch(EventBatch(1, 1, 1, ()))[:-3],
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1, "events": {}}),
+        msgpack.packb({"type": "batch", "v": 1, "worker": -1, "epoch": 1, "seq": 1, "events": []}),
+        msgpack.packb({"type": "batch", "v": 9, "worker": 1, "epoch": 1, "seq": 1, "events": []}),
+        msgpack.packb(
+            {"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1,
+             "events": [{"type": "stored", "hashes": [b"short"]}]}
+        ),
+        msgpack.packb(
+            {"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1,
+             "events": [{"type": "exploded"}]}
+        ),
+    ],
+)
+def test_malformed_batches_rejected(payload: bytes) -> None:
+    with pytest.raises(EventDecodeError):
+        decode_batch(payload)
+
+
+def test_load_round_trip_and_validation() -> None:
+    load = WorkerLoad(num_running=2, num_waiting=1, queued_prefill_tokens=300, kv_usage=0.5,
+                      prefill_tokens_per_s=1000.0, decode_tokens_per_s=50.0, timestamp=1.0)
+    assert decode_load(encode_load(load)) == load
+    with pytest.raises(EventDecodeError):
+        decode_load(msgpack.packb({"type": "load", "num_running": "many"}))
+    with pytest.raises(EventDecodeError):
+        decode_load(msgpack.packb({"type": "load", "kv_usage": -1}))

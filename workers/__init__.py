@@ -1,0 +1,1 @@
+"""The worker side: a paged-KV, prefix-caching GQA engine and its Ray Serve replica."""
