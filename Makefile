@@ -20,7 +20,13 @@ test: setup
 	$(BIN)/pytest -q tests
 
 serve: setup
-	$(BIN)/prefixserve serve
+	$(BIN)/prefixserve serve $(ARGS)
+
+# Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/compare.py).
+bench: setup
+	$(BIN)/python -m bench compare --num-workers 2 --workload shared-prefix \
+		--num-groups 4 --prompts-per-group 8 --system-len 1024 --question-len 64 \
+		--output-len 16 --ignore-eos --max-concurrency 4 --warmup 2
 
 lint: setup
 	$(BIN)/ruff check .

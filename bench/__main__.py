@@ -1,0 +1,7 @@
+"""`python -m bench run|compare ...`."""
+
+import sys
+
+from bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,91 @@
+"""Start the local cluster for a benchmark: a private Redis, Ray, and the Serve application.
+
+Each launch gets a fresh Redis and fresh worker replicas, so every run starts with empty prefix
+caches and an empty index. Ray itself stays up between launches (it takes seconds to start).
+Shared by `bench compare` and the end-to-end test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from cluster.config import ClusterConfig
+from cluster.local_redis import LocalRedis, free_port
+
+APP_NAME = "prefixserve-bench"
+_serve_port: int | None = None        # Serve's HTTP proxy keeps its first port while Ray is up
+
+
+@dataclass
+class Launched:
+    base_url: str
+    model: str
+    config: ClusterConfig
+
+
+def ensure_ray(num_cpus: float | None = None) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+                 logging_level="warning",
+                 configure_logging=True)
+
+
+@contextmanager
+def local_cluster(port: int = 0, start_timeout_s: float = 180.0,
+                  **options: Any) -> Iterator[Launched]:
+    """Run the prefixserve app built from ClusterConfig(**options) until the block exits."""
+    from ray import serve
+
+    from cluster.app import build_app
+
+    global _serve_port
+    port = port or _serve_port or free_port()
+    if _serve_port is not None and port != _serve_port:
+        raise ValueError(f"Serve already listens on port {_serve_port}; cannot move to {port}")
+    with LocalRedis() as redis:
+        config = ClusterConfig(**{"redis_url": redis.url, **options, "port": port})
+        ensure_ray()
+        serve.start(http_options={"host": config.host, "port": config.port})
+        _serve_port = port
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        try:
+            base_url = f"http://{config.host}:{config.port}"
+            _wait_ready(base_url, start_timeout_s)
+            yield Launched(base_url, config.model_name(), config)
+        finally:
+            serve.delete(APP_NAME)
+
+
+def _wait_ready(base_url: str, timeout_s: float) -> None:
+    """Poll /v1/models until the ingress answers (workers are up by the time it does)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        try:
+            resp = httpx.get(f"{base_url}/v1/models", timeout=5.0)
+            if resp.status_code == 200:
+                return
+            last = f"HTTP {resp.status_code}"
+        except httpx.HTTPError as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        time.sleep(0.5)
+    raise TimeoutError(f"cluster at {base_url} not ready after {timeout_s:.0f}s ({last})")
+
+
+def shutdown() -> None:
+    import ray
+    from ray import serve
+
+    global _serve_port
+    _serve_port = None
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()

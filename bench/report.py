@@ -1,0 +1,194 @@
+"""Terminal tables, JSON files and PNG plots of benchmark runs.
+
+JSON keys follow vLLM's `bench serve` so results line up with vLLM, SGLang and AIPerf runs.
+Plots use matplotlib's Agg backend (no display needed).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import METRICS, RequestResult
+
+_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
+
+# (key, label, format) rows of the summary table; the percentile rows are added per metric.
+_HEAD = [
+    ("completed", "Successful requests", "{:d}"),
+    ("failed", "Failed requests", "{:d}"),
+    ("duration", "Benchmark duration (s)", "{:.2f}"),
+    ("total_input_tokens", "Total input tokens", "{:d}"),
+    ("total_output_tokens", "Total generated tokens", "{:d}"),
+    ("request_throughput", "Request throughput (req/s)", "{:.2f}"),
+    ("request_goodput", "Request goodput (req/s)", "{:.2f}"),
+    ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
+    ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
+    ("prefix_hit_rate", "Prefix hit rate", "{:.3f}"),
+    ("max_concurrent_requests", "Peak concurrent requests", "{:d}"),
+]
+
+
+def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(key, label) pairs for every figure present in the summary, in display order."""
+    rows = [(k, label) for k, label, _ in _HEAD if summary.get(k) is not None]
+    for m in METRICS:
+        for stat in ("mean", "median", "std"):
+            rows.append((f"{stat}_{m}_ms", f"{stat.capitalize()} {_LABELS[m]} (ms)"))
+        rows += [(k, f"{k.split('_')[0].upper()} {_LABELS[m]} (ms)") for k in summary
+                 if k.startswith("p") and k.endswith(f"_{m}_ms")]
+    return rows
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    for k, _, fmt in _HEAD:
+        if k == key:
+            return fmt.format(int(value)) if fmt == "{:d}" else fmt.format(value)
+    return f"{value:.2f}"
+
+
+def format_summary(summary: Mapping[str, Any], title: str = "Serving Benchmark Result") -> str:
+    width = 52
+    lines = [f" {title} ".center(width, "=")]
+    lines += [f"{label:<38}{_fmt(k, summary[k]):>14}" for k, label in table_rows(summary)]
+    workers = summary.get("per_worker_requests") or {}
+    if workers:
+        lines.append(" Requests per worker ".center(width, "-"))
+        lines += [f"{w[-36:]:<38}{n:>14d}" for w, n in workers.items()]
+    errors = summary.get("error_counts") or {}
+    if errors:
+        lines.append(" Errors ".center(width, "-"))
+        lines += [f"{n:>5} x {msg}" for msg, n in errors.items()]
+    lines.append("=" * width)
+    return "\n".join(lines)
+
+
+def format_side_by_side(runs: Mapping[str, Mapping[str, Any]], baseline: str | None = None,
+                        ratios: bool = True) -> str:
+    """One column per run and a ratio column per non-baseline run (run / baseline)."""
+    names = list(runs)
+    base = baseline or names[0]
+    others = [n for n in names if n != base] if ratios else []
+    first = runs[names[0]]
+    header = f"{'metric':<34}" + "".join(f"{n[:14]:>15}" for n in names)
+    header += "".join(f"{(n[:7] + '/' + base[:6]):>15}" for n in others)
+    lines = [header, "-" * len(header)]
+    for key, label in table_rows(first):
+        cells = "".join(f"{_fmt(key, runs[n].get(key)):>15}" for n in names)
+        cells += "".join(f"{_ratio(runs[n].get(key), runs[base].get(key)):>15}" for n in others)
+        lines.append(f"{label[:33]:<34}{cells}")
+    return "\n".join(lines)
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if a is None or b is None or not b:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def save_json(path: Path, summary: Mapping[str, Any], config: Mapping[str, Any],
+              results: Sequence[RequestResult] | None = None) -> None:
+    """Write config + summary; with results also vLLM's per-request lists (`input_lens`,
+    `output_lens`, `ttfts`, `itls`, `errors`, in seconds) and our fuller `requests` rows."""
+    doc = {**config, **summary}
+    if results is not None:
+        doc["input_lens"] = [r.prompt_len for r in results]
+        doc["output_lens"] = [r.output_tokens for r in results]
+        doc["ttfts"] = [r.ttft for r in results]
+        doc["itls"] = [r.itl for r in results]
+        doc["errors"] = [r.error for r in results]
+        doc["requests"] = [r.row() for r in results]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_clean(doc), indent=2, default=str))
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no infinity: write it as "inf", as vLLM does for request_rate."""
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_ttft_cdf(runs: Mapping[str, Sequence[RequestResult]], path: Path) -> Path:
+    """TTFT CDF, one line per run."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, results in runs.items():
+        ttfts = np.sort([r.ttft * 1000 for r in results if r.success])
+        if len(ttfts):
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=name)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_title("TTFT CDF")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, plt, path)
+
+
+def plot_rate_curves(curves: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
+                     path: Path, pct: str = "p90") -> Path:
+    """Output throughput and TTFT percentile against request rate, one line per run label."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for name, points in curves.items():
+        pts = sorted(points, key=lambda p: p[0])
+        rates = [r for r, _ in pts]
+        left.plot(rates, [s["output_throughput"] for _, s in pts], marker="o", label=name)
+        right.plot(rates, [s.get(f"{pct}_ttft_ms", math.nan) for _, s in pts], marker="o",
+                   label=name)
+    left.set_xlabel("request rate (req/s)")
+    left.set_ylabel("output throughput (tok/s)")
+    right.set_xlabel("request rate (req/s)")
+    right.set_ylabel(f"TTFT {pct} (ms)")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return _save(fig, plt, path)
+
+
+def plot_worker_load(runs: Mapping[str, Mapping[str, Any]], path: Path) -> Path:
+    """Requests served per worker, busiest first, grouped bars per run (replica ids differ
+    between launches, so bars line up by rank, not by id)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = list(runs)
+    width = 0.8 / max(1, len(names))
+    most = 0
+    for i, name in enumerate(names):
+        counts = sorted((runs[name].get("per_worker_requests") or {}).values(), reverse=True)
+        ax.bar([w + i * width for w in range(len(counts))], counts, width, label=name)
+        most = max(most, len(counts))
+    ax.set_xticks([w + 0.4 - width / 2 for w in range(most)], [f"#{w + 1}" for w in range(most)])
+    ax.set_xlabel("worker (busiest first)")
+    ax.set_ylabel("requests")
+    ax.set_title("Requests per worker")
+    ax.legend()
+    return _save(fig, plt, path)
+
+
+def _save(fig: Any, plt: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

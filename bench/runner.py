@@ -1,0 +1,67 @@
+"""One benchmark run (warm-up, measured load, summary) and a rate sweep of such runs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from bench.client import ClientConfig, Prompt, make_http_client, send
+from bench.load import LoadShape, RunOutcome, run_load, warm_up
+from bench.metrics import DEFAULT_PERCENTILES, RequestResult, summarize
+from bench.workloads import Session, Tokens, warmup_sessions
+
+WorkloadFn = Callable[[Tokens], list[Session]]
+
+
+@dataclass
+class RunSpec:
+    client: ClientConfig
+    shape: LoadShape
+    tokens: Tokens
+    warmup: int = 0
+    slos: dict[str, float] = field(default_factory=dict)
+    percentiles: Sequence[float] = DEFAULT_PERCENTILES
+    progress: bool = True
+
+
+@dataclass
+class RunResult:
+    label: str
+    summary: dict[str, Any]
+    results: list[RequestResult]
+    request_rate: float
+
+
+async def run_once(spec: RunSpec, workload: WorkloadFn, label: str = "run") -> RunResult:
+    """Warm up with cache-neutral prompts, then drive the workload and summarise it."""
+    sessions = workload(spec.tokens)
+    limit = sum(len(s.turns) for s in sessions) + spec.warmup
+    async with make_http_client(spec.client, max_connections=max(16, min(limit, 1000))) as http:
+        async def send_one(prompt: Prompt, rid: str, at: float) -> RequestResult:
+            return await send(http, spec.client, prompt, rid, at)
+
+        if spec.warmup:
+            failed = await warm_up(warmup_sessions(sessions, spec.warmup, spec.tokens),
+                                   send_one, concurrency=spec.shape.max_concurrency or 4)
+            if len(failed) == spec.warmup:
+                raise RuntimeError(f"all {spec.warmup} warm-up requests failed; the first: "
+                                   f"{failed[0].error}")
+        outcome: RunOutcome = await run_load(sessions, send_one, spec.shape,
+                                             progress=spec.progress, desc=label)
+    summary = summarize(outcome.results, outcome.duration, spec.slos or None, spec.percentiles)
+    return RunResult(label, summary, outcome.results, spec.shape.request_rate)
+
+
+async def run_sweep(spec: RunSpec, workload: WorkloadFn, rates: Sequence[float],
+                    label: str = "run") -> list[RunResult]:
+    """One run per request rate. Each point draws fresh tokens (seed + i) with the same
+    structure, so an earlier point's cached prefixes cannot flatter a later one."""
+    out = []
+    for i, rate in enumerate(rates):
+        shape = replace(spec.shape, request_rate=rate, seed=spec.shape.seed + i)
+        point = replace(spec, shape=shape, tokens=replace(spec.tokens, seed=spec.tokens.seed + i))
+        name = f"{label}@{'inf' if math.isinf(rate) else f'{rate:g}'}"
+        out.append(await run_once(point, workload, label=name))
+    return out

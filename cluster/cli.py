@@ -1,0 +1,167 @@
+"""`prefixserve` command line: `serve` runs a cluster, `bench` load-tests one.
+
+`prefixserve serve` starts a local Ray (or joins `--address`), a private Redis for the prefix
+index unless `--redis-url` is given, deploys the application and serves until Ctrl-C, then
+shuts everything down. Every ClusterConfig field is a flag (`--num-workers 4`, `--policy
+pow2`, ...); `--config file.yaml` supplies them from a file, flags override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.config import REDIS_URL_ENV, ClusterConfig
+
+APP_NAME = "prefixserve"
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ClusterConfig field; unset flags stay out of the config dict."""
+    group = parser.add_argument_group("cluster configuration (ClusterConfig fields)")
+    for name, info in ClusterConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = str(info.description).replace("%", "%%")
+        if info.default is not None and not info.default_factory:
+            help_text += f" (default: {info.default})"
+        if info.annotation is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(flag, dest=name, default=None, metavar=name.upper(),
+                               help=help_text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="prefixserve", description="Prefix-aware LLM serving on Ray Serve.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve the OpenAI API on a local or existing cluster",
+                           description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    serve.add_argument("--address", default=None,
+                       help="Ray cluster to join ('auto', 'ray://host:10001', ...); "
+                       "default: start a private local one")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="YAML or JSON file of ClusterConfig fields (flags override)")
+    serve.add_argument("--dashboard", action="store_true",
+                       help="start the Ray dashboard with a local Ray")
+    _add_config_flags(serve)
+    try:
+        from bench.cli import add_bench_parser
+    except ImportError:  # bench extras not installed: serving still works
+        pass
+    else:
+        add_bench_parser(sub)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Fields from `--config` then from flags (not yet validated)."""
+    fields: dict[str, Any] = {}
+    if args.config is not None:
+        text = args.config.read_text()
+        if args.config.suffix in (".yaml", ".yml"):
+            import yaml
+
+            fields.update(yaml.safe_load(text) or {})
+        else:
+            fields.update(json.loads(text))
+    for name in ClusterConfig.model_fields:
+        value = getattr(args, name, None)
+        if value is not None:
+            fields[name] = value
+    return fields
+
+
+def _fail(message: str) -> int:
+    print(f"prefixserve: error: {message}", file=sys.stderr)
+    return 2
+
+
+def serve_command(args: argparse.Namespace) -> int:
+    from cluster.local_redis import LocalRedis, RedisBinaryNotFound
+
+    try:
+        fields = config_from_args(args)
+    except (OSError, ValueError) as exc:
+        return _fail(f"cannot read --config: {exc}")
+    redis: LocalRedis | None = None
+    needs_redis = fields.get("policy", "prefix") == "prefix"
+    if needs_redis and not fields.get("redis_url") and not os.environ.get(REDIS_URL_ENV):
+        try:
+            redis = LocalRedis().start()
+        except RedisBinaryNotFound as exc:
+            return _fail(f"{exc}\n  (the prefix policy needs Redis; or use --policy pow2)")
+        fields["redis_url"] = redis.url
+        print(f"prefixserve: started a private Redis for the prefix index at {redis.url}")
+        if args.address:
+            print("prefixserve: warning: that Redis listens on 127.0.0.1 only; workers on other "
+                  "nodes cannot reach it (pass --redis-url)", file=sys.stderr)
+    try:
+        try:
+            config = ClusterConfig.model_validate(fields)
+        except ValidationError as exc:
+            return _fail(f"invalid configuration:\n{exc}")
+        return _run(config, args)
+    finally:
+        if redis is not None:
+            redis.close()
+
+
+def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
+    import ray
+    from ray import serve
+
+    from cluster.app import build_app
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _: FrameType | None) -> None:
+        stop.set()
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    local = args.address is None
+    ray.init(address=args.address or "local", include_dashboard=args.dashboard if local else None)
+    try:
+        serve.start(http_options={"host": config.host, "port": config.port})
+        app = build_app(config)
+        print(f"prefixserve: starting {config.num_workers} worker(s) of {config.model_name()} "
+              f"({'GPU' if config.on_gpu else 'CPU'}, policy {config.policy}) ...")
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
+        print(f"prefixserve: serving the OpenAI API at http://{host}:{config.port}/v1 "
+              f"(model {config.model_name()!r}); Ctrl-C to stop", flush=True)
+        while not stop.wait(0.5):
+            pass
+        print("prefixserve: shutting down ...", flush=True)
+        return 0
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        try:
+            if local:
+                serve.shutdown()
+            else:
+                serve.delete(APP_NAME)
+        finally:
+            ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve_command(args)
+    return args.bench_func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""ClusterConfig: the one typed configuration of a prefixserve cluster.
+
+The CLI flags, the `app_builder` arguments of a Serve config YAML and the README's
+configuration table are all generated from this model, so they cannot drift apart. Validation
+is lax about types (Serve passes builder arguments as strings) and strict about meaning.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from router.index import REDIS_URL_ENV
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+Policy = Literal["prefix", "pow2", "round_robin"]
+
+
+def _redis_url_from_env() -> str | None:
+    return os.environ.get(REDIS_URL_ENV) or None
+
+
+class ClusterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # --- model -----------------------------------------------------------------------------
+    model: str | None = Field(
+        None, description="Hugging Face checkpoint directory (config.json, safetensors, "
+        "tokenizer.json); unset: the built-in tiny random-weight model")
+    served_model_name: str | None = Field(
+        None, description="Model name clients send; default: prefixserve-tiny for the built-in "
+        "model, else the checkpoint directory's name")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context length (prompt + output); default: the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU")
+
+    # --- workers ---------------------------------------------------------------------------
+    num_workers: int = Field(2, ge=1, description="LLMWorker replicas (one engine each)")
+    gpus_per_worker: float = Field(
+        0.0, ge=0.0, le=1.0, description="GPUs per worker; 0 runs the engine on CPU")
+    cpus_per_worker: float | None = Field(
+        None, gt=0.0, description="CPUs Ray reserves per worker; default 0.5 on CPU, 1 on GPU")
+    max_workers_per_node: int | None = Field(
+        None, ge=1, description="At most this many workers on one Ray node (spreads replicas)")
+    max_ongoing_requests: int = Field(
+        128, ge=1, description="Requests Serve sends one worker at once (it queues the rest)")
+
+    # --- engine ----------------------------------------------------------------------------
+    block_size: int = Field(16, ge=1, le=1024, description="Tokens per KV block (and per hash)")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks per worker (exact); else from kv_cache_memory_bytes")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV budget per worker; default 256 MiB on CPU, 80% of free GPU")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences batched per engine step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Tokens per engine step (long prefills are chunked)")
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+
+    # --- routing ---------------------------------------------------------------------------
+    policy: Policy = Field(
+        "prefix", description="prefix: KV-aware via the Redis index; pow2: Serve's power of two "
+        "choices; round_robin")
+    redis_url: str | None = Field(
+        default_factory=_redis_url_from_env,
+        description=f"Redis of the prefix index (redis://, rediss://, unix://); env {REDIS_URL_ENV}"
+        "; `prefixserve serve` starts a private one when unset")
+    lookup_deadline_s: float = Field(
+        0.02, gt=0.0, description="Index lookup deadline; past it routing uses load only")
+    lease_ttl_s: float = Field(10.0, gt=0.0, description="Worker lease in the index")
+    predict_ttl_s: float = Field(
+        2.0, gt=0.0, description="Lifetime of routing-time predicted index entries")
+
+    # --- ingress ---------------------------------------------------------------------------
+    ingress_replicas: int = Field(1, ge=1, description="OpenAI API ingress replicas")
+    cpus_per_ingress: float = Field(0.25, gt=0.0, description="CPUs Ray reserves per ingress")
+    ingress_max_ongoing_requests: int = Field(
+        1024, ge=1, description="Concurrent HTTP requests one ingress replica accepts")
+    host: str = Field("127.0.0.1", min_length=1, description="HTTP listen address")
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port")
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} is not a checkpoint directory (no config.json in it)")
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
+        return str(path.resolve())
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(REDIS_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(REDIS_SCHEMES)}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_combination(self) -> ClusterConfig:
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("set num_blocks or kv_cache_memory_bytes, not both")
+        if self.policy == "prefix" and self.redis_url is None:
+            raise ValueError(
+                f"policy 'prefix' needs the Redis index: set redis_url (or {REDIS_URL_ENV}); "
+                "`prefixserve serve` starts a private Redis for you"
+            )
+        return self
+
+    # --- derived ---------------------------------------------------------------------------
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpus_per_worker > 0
+
+    @property
+    def worker_cpus(self) -> float:
+        if self.cpus_per_worker is not None:
+            return self.cpus_per_worker
+        return 1.0 if self.on_gpu else 0.5
+
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.on_gpu else "float32"
+
+    def model_path(self) -> Path:
+        """The checkpoint directory; the built-in model is written on first use."""
+        if self.model is not None:
+            return Path(self.model)
+        from workers.builtin import ensure_builtin_model
+
+        return ensure_builtin_model()
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            from workers.builtin import BUILTIN_MODEL_NAME
+
+            return BUILTIN_MODEL_NAME
+        return Path(self.model).name
+
+    def engine_config(self) -> dict[str, Any]:
+        """`workers.engine.EngineConfig` fields, as the plain dict LLMWorker takes."""
+        return {
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "kv_cache_memory_bytes": self.kv_cache_memory_bytes,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "dtype": self.resolved_dtype(),
+            "device": "cuda" if self.on_gpu else "cpu",
+            "enable_prefix_caching": self.enable_prefix_caching,
+        }
+
+
+def config_table() -> str:
+    """The README's configuration table (markdown), from the field descriptions."""
+    rows = ["| field | CLI flag | default | meaning |", "|---|---|---|---|"]
+    for name, info in ClusterConfig.model_fields.items():
+        default = "env / unset" if info.default_factory else info.default
+        flag = "--" + name.replace("_", "-")
+        rows.append(f"| `{name}` | `{flag}` | `{default}` | {info.description} |")
+    return "\n".join(rows)

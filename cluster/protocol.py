@@ -1,0 +1,418 @@
+"""The OpenAI API subset prefixserve accepts and returns, as pydantic v2 models.
+
+Requests are validated strictly (no string-to-number coercion, NaN/inf rejected, bounded lists)
+so bad input becomes a clear 400 instead of a surprise deep in the engine. Unknown fields are
+ignored: the official `openai` client and other SDKs send fields we do not act on. Fields that
+would silently change the answer if ignored (penalties, `logit_bias`, `echo`, `suffix`, tools)
+are rejected when set to anything but their neutral value.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 32  # prompts per completions request (batch)
+MAX_STOP = 16  # stop strings per request
+MAX_STOP_LEN = 256  # characters per stop string
+MAX_TOP_LOGPROBS = 20
+MAX_SEED = 2**63 - 1
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields both endpoints share."""
+
+    model: str | None = None  # None: the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: off (vLLM accepts both)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    user: str | None = Field(None, max_length=256)
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed")
+        for s in stops:
+            if not s:
+                raise ValueError("stop strings must not be empty")
+            if len(s) > MAX_STOP_LEN:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_ids(cls, value: list[int] | None) -> list[int] | None:
+        if value and any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported; omit the field or send 0")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value:
+            raise ValueError("logit_bias is not supported")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The `SamplingParams` fields this request sets (max_tokens/logprobs: per endpoint)."""
+        fields: dict[str, Any] = {"n": self.n, "ignore_eos": self.ignore_eos}
+        if self.temperature is not None:
+            fields["temperature"] = self.temperature
+        if self.top_p is not None:
+            fields["top_p"] = self.top_p
+        if self.top_k is not None:
+            fields["top_k"] = max(self.top_k, 0)
+        if self.seed is not None:
+            fields["seed"] = self.seed
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = list(self.stop_token_ids)
+        return fields
+
+
+PromptInput = str | list[int]
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _check_prompt(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            prompt = handler(value)
+        except ValidationError:
+            raise ValueError(
+                "prompt must be a string, a list of token ids, a list of strings "
+                "or a list of token-id lists"
+            ) from None
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+            if any(len(p) == 0 for p in prompt):
+                raise ValueError("prompts must not be empty")
+        elif len(prompt) == 0:
+            raise ValueError("prompt must not be empty")
+        return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n when given)")
+        return self
+
+    def prompts(self) -> list[PromptInput]:
+        """The prompts as a batch: each one text or token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
+
+
+class ContentPart(_Request):
+    type: str
+    text: str = ""
+
+    @model_validator(mode="after")
+    def _text_only(self) -> ContentPart:
+        if self.type != "text":
+            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        return self
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+    @field_validator("content", mode="wrap")
+    @classmethod
+    def _check_content(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        if isinstance(value, list):  # report the part's own error, not the union's
+            return [ContentPart.model_validate(part, strict=True) for part in value]
+        try:
+            return handler(value)
+        except ValidationError:
+            raise ValueError("content must be a string or a list of text parts") from None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True  # vLLM extension, for chat templates
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if value:
+            raise ValueError("tools are not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """`SamplingParams.logprobs`: None when off, else the number of alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter, from pydantic's error list."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in exc.errors(include_url=False)[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            return f"request body is not valid JSON: {msg}", None
+        if param is None and loc:
+            param = loc
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts), param
+
+
+# ---- responses ----------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    """Only the fields a chunk carries, as OpenAI sends them (`{"content": "..."}`)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChunk(BaseModel):
+    """Streaming completions reuse the `text_completion` object, as OpenAI does."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "prefixserve"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+    @classmethod
+    def of(
+        cls, message: str, type_: str = "invalid_request_error",
+        param: str | None = None, code: str | int | None = None,
+    ) -> ErrorResponse:
+        return cls(error=ErrorInfo(message=message, type=type_, param=param, code=code))

@@ -1,0 +1,275 @@
+"""Text ↔ tokens at the ingress: the checkpoint's `tokenizer.json`, its chat template, and the
+incremental detokenizing and stop-string logic that streaming needs.
+
+Workers are token-in / token-out; everything textual lives here. Two subtleties:
+
+* A byte-level tokenizer may emit a multi-byte UTF-8 character across several tokens. Decoding
+  the tokens so far then ends in U+FFFD; `IncrementalDetokenizer` holds such text back until the
+  character completes (the vLLM prefix/read-offset scheme), so a stream never carries a broken
+  character.
+* A stop string may arrive split across tokens. `StopChecker` holds back any tail of the text
+  that could still grow into a stop string, and truncates the output where one matches.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+# ChatML, used when the checkpoint ships no chat template.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# Tokens of the prompt's tail decoded along with the output: tokenizers that drop a leading
+# space at the start of a sequence (SentencePiece) then decode the first output token correctly.
+_PROMPT_CONTEXT_TOKENS = 6
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+class TokenizerError(ValueError):
+    """The checkpoint's tokenizer files are missing or unusable, or a template failed."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map, used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1))
+    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as an AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _decoder_types(spec: dict | None) -> set[str]:
+    if not spec:
+        return set()
+    types = {spec.get("type", "")}
+    for sub in spec.get("decoders") or []:
+        types |= _decoder_types(sub)
+    return types
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer: `tokenizer.json` (+ `tokenizer_config.json`, chat template)."""
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise TokenizerError(f"{tok_file} not found: prefixserve needs a fast tokenizer file")
+        self._tok = HFTokenizer.from_file(str(tok_file))
+        config: dict[str, Any] = {}
+        config_file = path / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text())
+        self.special_tokens = {
+            name: content
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (content := _token_content(config.get(name))) is not None
+        }
+        self.chat_template = self._find_chat_template(path, config)
+        self._template = _jinja_env().from_string(self.chat_template)
+        spec = json.loads(self._tok.to_str())
+        decoders = _decoder_types(spec.get("decoder"))
+        self._byte_level = "ByteLevel" in decoders
+        self._byte_fallback = "ByteFallback" in decoders
+        self._added = {
+            i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
+        }
+
+    @staticmethod
+    def _find_chat_template(path: Path, config: dict[str, Any]) -> str:
+        jinja_file = path / "chat_template.jinja"  # where transformers >= 4.43 saves it
+        if jinja_file.is_file():
+            return jinja_file.read_text()
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default") or next(iter(named.values()), None)
+        return template if isinstance(template, str) else DEFAULT_CHAT_TEMPLATE
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                    ) -> str:
+        """The chat template applied to `[{"role", "content"}, ...]`, as text."""
+        try:
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except TemplateRaised as exc:
+            raise TokenizerError(f"chat template rejected the conversation: {exc}") from None
+        except Exception as exc:  # a broken template must be a clear error, not a 500
+            raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+                    ) -> list[int]:
+        # The template writes BOS itself when the model wants it (as transformers does).
+        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (may be part of a multi-byte character)."""
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level:
+            return b"".join(
+                bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode() for c in piece
+            )
+        if self._byte_fallback and (m := _BYTE_FALLBACK.match(piece)):
+            return bytes([int(m.group(1), 16)])
+        return self.decode([token_id], skip_special_tokens=False).encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text for logprobs (broken bytes shown as U+FFFD, as OpenAI does)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """A detokenizer for output that follows `prompt_ids` (whose text is not emitted)."""
+        tail = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
+        return IncrementalDetokenizer(self, tail, prefix_offset=0, read_offset=len(tail))
+
+
+class TemplateRaised(Exception):
+    """`raise_exception(...)` called from a chat template (e.g. roles out of order)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (sandboxed: templates are data)."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+@dataclass
+class IncrementalDetokenizer:
+    """Turns a growing token list into text deltas, never splitting a UTF-8 character.
+
+    Decodes ``tokens[prefix_offset:]`` and emits what it adds over ``tokens[prefix_offset:
+    read_offset]``; while the decoded text ends in U+FFFD (an incomplete byte sequence) nothing
+    is emitted and the offsets stay put, so the character comes out whole once complete.
+    """
+
+    tokenizer: Tokenizer
+    tokens: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0  # tokens before it are context only (the prompt's tail)
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly complete text (possibly empty)."""
+        self.tokens.extend(token_ids)
+        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.tokens)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """At the end of the output: whatever is held back, broken bytes shown as U+FFFD."""
+        if self.read_offset >= len(self.tokens):
+            return ""
+        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.tokens)
+        return new_text[len(prefix_text) :]
+
+
+class StopChecker:
+    """Finds stop strings in streamed text; holds back a tail that could start one.
+
+    `add` returns the text that is safe to emit and whether a stop string matched (the output
+    then ends just before it, and the stop string itself is not part of the output).
+    """
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self.stops = [s for s in stops if s]
+        self._max_len = max((len(s) for s in self.stops), default=0)
+        self.text = ""  # all text seen so far (truncated at the match once stopped)
+        self.emitted = 0  # characters of `text` already handed out
+        self.stopped = False
+
+    def add(self, new_text: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            self.text += new_text
+            self.emitted = len(self.text)
+            return new_text, False
+        # A match must end inside the new text; older text was already searched.
+        start = max(0, len(self.text) - self._max_len + 1)
+        self.text += new_text
+        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            end = min(hits)
+            out = self.text[self.emitted : end]
+            self.text = self.text[:end]
+            self.emitted = end
+            self.stopped = True
+            return out, True
+        hold = self._partial_match_len()
+        safe = max(self.emitted, len(self.text) - hold)
+        out = self.text[self.emitted : safe]
+        self.emitted = safe
+        return out, False
+
+    def _partial_match_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        for k in range(min(self._max_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+    def flush(self) -> str:
+        """At the end of the output: the held-back tail (it never became a stop string)."""
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out

@@ -1,0 +1,156 @@
+"""Pure routing policy: rank workers for one request by an estimated cost in seconds.
+
+No Ray, no Redis: the caller gathers a :class:`WorkerView` per worker (matched depth from the
+index, engine-reported load, what this router sent since that load was reported) and gets a
+ranking back, so every case is testable on hand-built views.
+
+Cost of sending a request with ``P`` prompt tokens to worker ``w``::
+
+    cached_w   = block_size * (confirmed + predicted_credit * (predicted - confirmed))
+                 capped at P - 1 (the last prompt token is always computed: its logits are needed)
+    uncached_w = P - cached_w
+    cost_w     = queued_prefill_w / prefill_rate_w
+                 + uncached_weight * uncached_w / prefill_rate_ref
+                 + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
+
+The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
+unmeasured worker is assumed as fast as the measured mean). The second is this request's own
+prefill, counted ``uncached_weight`` (default 2) times: once for its TTFT and once for the
+capacity it takes from the worker (duplicating a prefix elsewhere costs the cluster compute). It
+uses the mean measured rate of all workers, so measurement noise between identical GPUs never
+decides a route at even load. The third is the decode steps interleaved with it; the measured
+decode rate is floored at the default because at small batches it overstates what one more
+batched sequence costs.
+
+Why this instead of SGLang's global imbalance gate (abs 64 / rel 1.5 over all workers)? The
+gate is global: one overloaded worker switches affinity off for every request, scattering
+prefixes, lowering the hit rate, raising load, and keeping the gate open (the "death spiral").
+Here each request compares only the costs it would see, so:
+
+* a hot prefix spills to a second worker exactly when the holder's backlog outweighs twice the
+  saved prefill; the second worker then caches it and the two share it;
+* at even load the holder always wins (saved prefill outweighs small load differences);
+* an overloaded worker only loses the requests it would serve slowly.
+
+Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then by rendezvous
+hashing of ``tie_key`` (the chain's first block) with the worker key: deterministic in every
+router process, different per prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from router.events import WorkerLoad
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    block_size: int = 16
+    default_prefill_tokens_per_s: float = 4000.0  # used until some worker has measured one
+    default_decode_tokens_per_s: float = 1000.0
+    uncached_weight: float = 2.0  # uncached tokens cost this request's TTFT + worker capacity
+    decode_weight: float = 0.5  # batched decode: one more sequence costs part of a token-time
+    predicted_credit: float = 0.95  # a predicted block is worth this much of a confirmed one
+    tie_tolerance_s: float = 0.001  # absorbs stale-load noise (about 2 running sequences)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.default_prefill_tokens_per_s <= 0 or self.default_decode_tokens_per_s <= 0:
+            raise ValueError("default rates must be > 0")
+        if not 0.0 <= self.predicted_credit <= 1.0:
+            raise ValueError("predicted_credit must be in [0, 1]")
+        if self.uncached_weight < 1.0 or self.decode_weight < 0:
+            raise ValueError("uncached_weight must be >= 1 and decode_weight >= 0")
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """What one router knows about one worker when routing one request."""
+
+    key: str  # the replica's unique id
+    confirmed_depth: int = 0  # consecutive blocks confirmed by the worker's KV events
+    predicted_depth: int = 0  # consecutive blocks confirmed OR predicted (>= confirmed_depth)
+    load: WorkerLoad | None = None  # engine-reported (via the index); None when unknown
+    pending_prefill_tokens: int = 0  # routed here by this router after `load` was reported
+    pending_requests: int = 0
+    queue_len: int | None = None  # Serve's count of ongoing requests (fallback when no load)
+
+
+@dataclass(frozen=True)
+class Score:
+    key: str
+    cost_s: float
+    cached_tokens: float  # expected (predicted blocks are discounted)
+    uncached_tokens: float
+    matched_blocks: int  # max(confirmed, predicted) depth
+    new_tokens: int  # tokens to prefill if every predicted block lands (pending-work estimate)
+
+
+def cached_tokens(view: WorkerView, num_prompt_tokens: int, config: PolicyConfig) -> float:
+    extra = max(0, view.predicted_depth - view.confirmed_depth)
+    blocks = view.confirmed_depth + config.predicted_credit * extra
+    return max(0.0, min(blocks * config.block_size, num_prompt_tokens - 1))
+
+
+def reference_prefill_rate(workers: Sequence[WorkerView], config: PolicyConfig) -> float:
+    """Mean measured prefill rate, or the default when no worker has measured one."""
+    rates = [w.load.prefill_tokens_per_s for w in workers if w.load and w.load.prefill_tokens_per_s]
+    return sum(rates) / len(rates) if rates else config.default_prefill_tokens_per_s
+
+
+def score(
+    view: WorkerView, num_prompt_tokens: int, config: PolicyConfig, ref_rate: float
+) -> Score:
+    cached = cached_tokens(view, num_prompt_tokens, config)
+    uncached = num_prompt_tokens - cached
+    depth = max(view.confirmed_depth, view.predicted_depth)
+    load = view.load
+    if load is not None:
+        prefill_rate = load.prefill_tokens_per_s or ref_rate
+        decode_rate = max(load.decode_tokens_per_s, config.default_decode_tokens_per_s)
+        queued = load.queued_prefill_tokens
+        running = load.num_running
+    else:
+        prefill_rate = ref_rate
+        decode_rate = config.default_decode_tokens_per_s
+        queued = 0
+        running = 0
+    queued += view.pending_prefill_tokens
+    running = max(running + view.pending_requests, view.queue_len or 0)
+    cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
+    cost += config.decode_weight * running / decode_rate
+    new_tokens = num_prompt_tokens - min(depth * config.block_size, num_prompt_tokens - 1)
+    return Score(view.key, cost, cached, uncached, depth, new_tokens)
+
+
+def rendezvous(tie_key: bytes, worker_key: str) -> int:
+    """Stable across processes (unlike ``hash()``): every router breaks a tie the same way."""
+    digest = hashlib.blake2b(tie_key + b"\x00" + worker_key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def rank(
+    num_prompt_tokens: int,
+    workers: Sequence[WorkerView],
+    config: PolicyConfig,
+    tie_key: bytes = b"",
+) -> list[Score]:
+    """All workers, best first. The first entry is the choice; the rest are the fallbacks."""
+    if num_prompt_tokens < 1:
+        raise ValueError("a request has at least one prompt token")
+    ref_rate = reference_prefill_rate(workers, config)
+    scores = [score(w, num_prompt_tokens, config, ref_rate) for w in workers]
+    if not scores:
+        return []
+    best = min(s.cost_s for s in scores)
+
+    def order(s: Score) -> tuple[bool, float, int, int]:
+        tied = s.cost_s <= best + config.tie_tolerance_s
+        # Tied workers rank by depth then hash, not cost: load noise must not flip the pick.
+        return (not tied, 0.0 if tied else s.cost_s, -s.matched_blocks, -rendezvous(tie_key, s.key))
+
+    return sorted(scores, key=order)

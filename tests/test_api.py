@@ -1,0 +1,320 @@
+"""The OpenAI HTTP API end to end: real Ray Serve, real Redis, real HTTP, the built-in model.
+
+One module-scoped cluster (ingress + 2 CPU workers with fractional CPUs) serves every test.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cluster.api import WORKER_HEADER, _sse_body
+from cluster.app import build_app
+from cluster.config import ClusterConfig
+from cluster.local_redis import LocalRedis, free_port
+from cluster.tokenizer import Tokenizer
+from workers.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
+
+APP = "prefixserve-test"
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server: LocalRedis) -> Iterator[str]:
+    config = ClusterConfig(
+        redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
+        num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+    )
+    port = free_port()
+    if ray.is_initialized():  # a Ray left by an earlier module: Serve's port is fixed per Ray
+        serve.shutdown()
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=APP, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while httpx.get(f"{url}/v1/models").status_code != 200:
+            assert time.monotonic() < deadline, "ingress did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer(ensure_builtin_model())
+
+
+def post(url: str, path: str, body: dict | str, **kw) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(url + path, content=content, timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def sse_events(url: str, path: str, body: dict) -> list[str]:
+    """The raw `data:` payloads of an SSE response, in order."""
+    events = []
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                assert line.startswith("data: ")
+                events.append(line.removeprefix("data: "))
+    return events
+
+
+def test_models_and_health(base_url: str) -> None:
+    assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
+    models = httpx.get(f"{base_url}/v1/models").json()
+    assert models["object"] == "list"
+    assert [m["id"] for m in models["data"]] == [BUILTIN_MODEL_NAME]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    missing = httpx.get(f"{base_url}/v1/models/nope")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_completion(base_url: str, tok: Tokenizer) -> None:
+    body = {"model": BUILTIN_MODEL_NAME, "prompt": "Hello there", "max_tokens": 8,
+            "temperature": 0, "ignore_eos": True}
+    r = post(base_url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion"
+    assert out["id"].startswith("cmpl-")
+    (choice,) = out["choices"]
+    assert choice["finish_reason"] == "length"
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == len(tok.encode("Hello there"))
+    assert usage["completion_tokens"] == 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 8
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    assert r.headers[WORKER_HEADER]
+    again = post(base_url, "/v1/completions", body).json()
+    assert again["choices"][0]["text"] == choice["text"]  # greedy is deterministic
+
+
+def test_completion_stream_matches_non_stream(base_url: str) -> None:
+    body = {"prompt": [72, 105, 33], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    text = post(base_url, "/v1/completions", body).json()["choices"][0]["text"]
+    events = sse_events(base_url, "/v1/completions",
+                        {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"]["completion_tokens"] == 12
+    assert usage_chunk["usage"]["prompt_tokens"] == 3
+    streamed = [c for c in chunks[:-1]]
+    assert all(c["object"] == "text_completion" for c in streamed)
+    assert "".join(c["choices"][0]["text"] for c in streamed) == text
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in streamed[:-1])
+    no_usage = sse_events(base_url, "/v1/completions", {**body, "stream": True})
+    assert all(json.loads(e).get("usage") is None for e in no_usage[:-1])
+
+
+def test_chat(base_url: str) -> None:
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
+    r = post(base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    msg = out["choices"][0]["message"]
+    assert msg["role"] == "assistant"
+    assert out["usage"]["completion_tokens"] == 6
+    events = sse_events(base_url, "/v1/chat/completions",
+                        {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 6
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks[:-1])
+    assert content == msg["content"]
+
+
+def test_n_samples_and_seed(base_url: str) -> None:
+    body = {"prompt": "abc", "max_tokens": 5, "n": 3, "seed": 11, "temperature": 1.0,
+            "ignore_eos": True}
+    out = post(base_url, "/v1/completions", body).json()
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2]
+    assert out["usage"]["completion_tokens"] == 15
+    assert post(base_url, "/v1/completions", body).json()["choices"] == out["choices"]
+    batch = post(base_url, "/v1/completions",
+                 {"prompt": ["abc", "xyz"], "max_tokens": 3, "n": 2, "ignore_eos": True}).json()
+    assert [c["index"] for c in sorted(batch["choices"], key=lambda c: c["index"])] == [0, 1, 2, 3]
+    assert batch["usage"]["completion_tokens"] == 12
+
+
+def test_stop_string_truncates(base_url: str) -> None:
+    body = {"prompt": "The stop test", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    text = post(base_url, "/v1/completions", body).json()["choices"][0]["text"]
+    # random weights: the text is arbitrary, so take a stop string from it (not a U+FFFD)
+    usable = [i for i in range(2, len(text)) if text[i] != "\ufffd"]
+    assert usable, f"no usable stop string in {text!r}"
+    stop = text[usable[0]]
+    expected = text[: text.find(stop)]
+    out = post(base_url, "/v1/completions", {**body, "stop": [stop]}).json()
+    assert out["choices"][0]["text"] == expected
+    assert out["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(base_url, "/v1/completions", {**body, "stop": stop, "stream": True})
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_logprobs(base_url: str) -> None:
+    out = post(base_url, "/v1/completions", {"prompt": "log", "max_tokens": 4, "logprobs": 2,
+                                             "temperature": 0, "ignore_eos": True}).json()
+    lp = out["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 4
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    assert all(1 <= len(top) <= 2 for top in lp["top_logprobs"])
+    # greedy: the chosen token is the most likely one (keys are texts: broken bytes collide)
+    assert all(v >= max(top.values()) - 1e-4
+               for top, v in zip(lp["top_logprobs"], lp["token_logprobs"], strict=True)), lp
+    chat = post(base_url, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+        "top_logprobs": 2, "ignore_eos": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == 3
+    assert all(len(c["top_logprobs"]) == 2 and isinstance(c["bytes"], list) for c in content)
+    assert all(c["logprob"] <= 0 for c in content)
+
+
+def test_shared_prefix_reports_cached_tokens(base_url: str) -> None:
+    shared = "You are a helpful assistant. " * 12  # ~360 byte tokens: many full blocks
+    first = post(base_url, "/v1/completions",
+                 {"prompt": shared + "Question one?", "max_tokens": 2}).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(0.5)  # let the worker's KV events reach the index
+    second = post(base_url, "/v1/completions",
+                  {"prompt": shared + "Question two?", "max_tokens": 2}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 16 * 20
+    assert cached % 16 == 0
+    salted = post(base_url, "/v1/completions", {"prompt": shared + "Question two?",
+                                                "max_tokens": 2, "cache_salt": "tenant-b"})
+    assert salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_openai_client(base_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    comp = client.completions.create(model=BUILTIN_MODEL_NAME, prompt="Hi", max_tokens=4,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert comp.usage.completion_tokens == 4
+    assert isinstance(comp.choices[0].text, str)
+    chat = client.chat.completions.create(
+        model=BUILTIN_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.usage.prompt_tokens_details.cached_tokens >= 0
+    stream = client.chat.completions.create(
+        model=BUILTIN_MODEL_NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) \
+        == chat.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 4
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=BUILTIN_MODEL_NAME, prompt="Hi", max_tokens=0)
+    assert info.value.body["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "param"),
+    [
+        ("/v1/completions", '{"prompt": "x",', 400, None),
+        ("/v1/completions", "", 400, None),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x" * 500, "max_tokens": 100}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, 99999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": [1, -3]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
+         "messages.0.role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, 400,
+         "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "stream": True, "n": 0}, 400, "n"),
+    ],
+)
+def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str, status: int,
+                                     param: str | None) -> None:
+    r = post(base_url, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_context_error_mentions_the_limit_and_cluster_keeps_serving(base_url: str) -> None:
+    r = post(base_url, "/v1/completions", {"prompt": "x" * 600, "stream": True})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in r.json()["error"]["message"]
+    assert post(base_url, "/v1/nothing", {}).status_code == 404
+    ok = post(base_url, "/v1/completions", {"prompt": "still fine", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def _engines_idle(deadline_s: float = 20.0) -> bool:
+    handle = serve.get_deployment_handle("LLMWorker", APP)
+    idle: dict[str, bool] = {}
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        s = handle.stats.remote().result()
+        idle[s["worker"]] = s["num_running"] == 0 and s["num_waiting"] == 0
+        if len(idle) == 2 and all(idle.values()):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_client_disconnect_frees_the_worker(base_url: str) -> None:
+    body = {"prompt": "long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    # 480 tokens would take many seconds; the abort must free the engine well before that
+    assert _engines_idle()
+
+
+async def test_error_mid_stream_sends_error_event_then_done() -> None:
+    async def chunks() -> AsyncIterator[str]:
+        yield "data: {}\n\n"
+        raise RuntimeError("worker died")
+
+    out = [c async for c in _sse_body("data: first\n\n", chunks())]
+    assert out[0] == "data: first\n\n"
+    assert out[-1] == "data: [DONE]\n\n"
+    error = json.loads(out[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error"

@@ -1,0 +1,141 @@
+"""ClusterConfig: defaults, derived values, and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import REDIS_URL_ENV, ClusterConfig, config_table
+
+REDIS = "redis://127.0.0.1:6399/0"
+
+
+@pytest.fixture(autouse=True)
+def _no_env_redis(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(REDIS_URL_ENV, raising=False)
+
+
+def _checkpoint(path: Path, tokenizer: bool = True) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    if tokenizer:
+        (path / "tokenizer.json").write_text("{}")
+    return path
+
+
+def test_cpu_defaults() -> None:
+    cfg = ClusterConfig(redis_url=REDIS)
+    assert cfg.policy == "prefix"
+    assert cfg.num_workers == 2
+    assert cfg.worker_cpus == 0.5  # fractional: a 2-core box must fit ingress + 2 workers
+    engine = cfg.engine_config()
+    assert engine["dtype"] == "float32"
+    assert engine["device"] == "cpu"
+    assert engine["block_size"] == 16
+
+
+def test_gpu_derivations() -> None:
+    cfg = ClusterConfig(redis_url=REDIS, gpus_per_worker=1)
+    assert cfg.worker_cpus == 1.0
+    assert cfg.engine_config()["dtype"] == "bfloat16"
+    assert cfg.engine_config()["device"] == "cuda"
+    assert ClusterConfig(redis_url=REDIS, gpus_per_worker=1, dtype="float16").resolved_dtype() \
+        == "float16"
+
+
+def test_redis_url_from_env_and_required_for_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValidationError, match="policy 'prefix' needs the Redis index"):
+        ClusterConfig()
+    assert ClusterConfig(policy="pow2").redis_url is None
+    monkeypatch.setenv(REDIS_URL_ENV, "rediss://:pw@redis.example:6380/0")
+    assert ClusterConfig().redis_url == "rediss://:pw@redis.example:6380/0"
+    with pytest.raises(ValidationError, match="must start with one of"):
+        ClusterConfig(redis_url="http://localhost:6379")
+
+
+def test_string_args_are_coerced_like_serve_builder_args() -> None:
+    cfg = ClusterConfig.model_validate(
+        {"num_workers": "3", "gpus_per_worker": "0", "enable_prefix_caching": "false",
+         "policy": "round_robin", "port": "8123"}
+    )
+    assert (cfg.num_workers, cfg.enable_prefix_caching, cfg.port) == (3, False, 8123)
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ({"num_workers": 0}, "greater than or equal to 1"),
+        ({"policy": "random"}, "'prefix', 'pow2' or 'round_robin'"),
+        ({"num_blocks": 10, "kv_cache_memory_bytes": 2**20}, "not both"),
+        ({"cpus_per_worker": 0}, "greater than 0"),
+        ({"gpus_per_worker": 2}, "less than or equal to 1"),
+        ({"dtype": "int8"}, "'auto', 'float32'"),
+        ({"port": 70000}, "less than or equal to 65535"),
+        ({"num_wrokers": 2}, "Extra inputs are not permitted"),
+    ],
+)
+def test_bad_settings_are_clear(args: dict, fragment: str) -> None:
+    with pytest.raises(ValidationError, match=fragment):
+        ClusterConfig(redis_url=REDIS, **args)
+
+
+def test_model_path_checks(tmp_path: Path) -> None:
+    with pytest.raises(ValidationError, match=r"no config\.json"):
+        ClusterConfig(redis_url=REDIS, model=str(tmp_path / "nope"))
+    with pytest.raises(ValidationError, match=r"no tokenizer\.json"):
+        ClusterConfig(redis_url=REDIS, model=str(_checkpoint(tmp_path / "a", tokenizer=False)))
+    ckpt = _checkpoint(tmp_path / "my-llama")
+    cfg = ClusterConfig(redis_url=REDIS, model=str(ckpt))
+    assert cfg.model_path() == ckpt.resolve()
+    assert cfg.model_name() == "my-llama"
+    named = ClusterConfig(redis_url=REDIS, model=str(ckpt), served_model_name="llama")
+    assert named.model_name() == "llama"
+
+
+def test_config_table_lists_every_field() -> None:
+    table = config_table()
+    for name in ClusterConfig.model_fields:
+        assert f"`{name}`" in table
+    assert "`--num-workers`" in table
+
+
+def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None:
+    from cluster.cli import build_parser, config_from_args
+
+    file = tmp_path / "cluster.yaml"
+    file.write_text("num_workers: 4\npolicy: round_robin\nblock_size: 32\n")
+    args = build_parser().parse_args([
+        "serve", "--config", str(file), "--num-workers", "3", "--no-enable-prefix-caching",
+        "--max-model-len", "1024",
+    ])
+    fields = config_from_args(args)
+    assert fields == {"num_workers": "3", "policy": "round_robin", "block_size": 32,
+                      "enable_prefix_caching": False, "max_model_len": "1024"}
+    cfg = ClusterConfig.model_validate(fields)
+    assert (cfg.num_workers, cfg.block_size, cfg.max_model_len) == (3, 32, 1024)
+    assert config_from_args(build_parser().parse_args(["serve"])) == {}
+
+
+def test_app_builder_validates_its_args() -> None:
+    from cluster.app import app_builder
+
+    with pytest.raises(ValidationError, match="num_wrokers"):
+        app_builder({"num_wrokers": "2", "policy": "pow2"})
+    with pytest.raises(ValidationError, match="needs the Redis index"):
+        app_builder({"policy": "prefix"})
+
+
+def test_cli_rejects_a_bad_config_before_starting_ray(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from cluster.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert "invalid configuration" in err
+    assert "no config.json" in err
+    assert main(["serve", "--policy", "pow2", "--num-workers", "0"]) == 2
+    assert "num_workers" in capsys.readouterr().err

@@ -1,0 +1,344 @@
+"""LLMEngine end to end on tiny random checkpoints written by transformers.
+
+Greedy tokens must equal transformers' own ``generate`` (fp32) through every path the engine
+has: batching, prefix hits, chunked prefill, preemption, copy-on-write forks.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from router.blocks import hash_chain
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored
+from workers.engine import EngineConfig, LLMEngine
+from workers.errors import InvalidRequestError
+from workers.sampling import SamplingParams
+
+VOCAB = 256
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+ARCHS = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 2}),
+    "llama-mqa": (LlamaConfig, LlamaForCausalLM, {"num_key_value_heads": 1}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"num_key_value_heads": 2}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"num_key_value_heads": 2}),
+}
+
+
+def write_checkpoint(path: Path, arch: str) -> torch.nn.Module:
+    config_cls, model_cls, extra = ARCHS[arch]
+    config = config_cls(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.1,  # sharper logits: no near-ties for greedy to flip on
+        bos_token_id=None,
+        eos_token_id=None,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp(request.param)
+    return path, write_checkpoint(path, request.param)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint(path, "llama")
+
+
+def engine(path: Path, **kw) -> LLMEngine:
+    kw.setdefault("block_size", 4)
+    kw.setdefault("num_blocks", 128)
+    return LLMEngine.from_pretrained(path, EngineConfig(device="cpu", **kw))
+
+
+@torch.no_grad()
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(torch.tensor([prompt]), generation_config=cfg)
+    return out[0, len(prompt) :].tolist()
+
+
+def prompts(*lengths: int, start: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(start)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_greedy_matches_transformers(checkpoint) -> None:
+    path, model = checkpoint
+    eng = engine(path)
+    batch = prompts(1, 7, 16, 23, 40)
+    results = eng.generate(batch, GREEDY)
+    for p, r in zip(batch, results, strict=True):
+        assert r.samples[0].token_ids == hf_greedy(model, p, 8)
+        assert r.samples[0].finish_reason == "length"
+    # a prompt sharing a 32-token prefix with the last one is a cache hit, same tokens
+    shared = [*batch[-1][:32], *prompts(9, start=7)[0]]
+    (hit,) = eng.generate([shared], GREEDY)
+    assert hit.num_cached_tokens == 32
+    assert hit.samples[0].token_ids == hf_greedy(model, shared, 8)
+    assert eng.kv.num_free_blocks == eng.kv.num_total_blocks
+
+
+def test_chunked_prefill_and_mixed_batches(llama) -> None:
+    path, model = llama
+    eng = engine(path, max_num_batched_tokens=8)
+    batch = prompts(30, 5, 19)
+    steps = []
+    eng.add_request("a", batch[0], GREEDY)
+    outs = {"a": [], "b": [], "c": []}
+    eng.step()  # "a" prefills its first 8-token chunk only
+    assert eng.stats().queued_prefill_tokens == 22
+    eng.add_request("b", batch[1], GREEDY)
+    eng.add_request("c", batch[2], GREEDY)
+    while eng.has_unfinished():
+        step = eng.step()
+        steps.append(step)
+        for o in step:
+            outs[o.request_id].extend(o.new_token_ids)
+    for rid, p in zip("abc", batch, strict=True):
+        assert outs[rid] == hf_greedy(model, p, 8)
+    stats = eng.stats()
+    assert stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    assert stats.prompt_tokens_queried == 30 + 5 + 19 and stats.num_running == 0
+    # decodes of early requests ran in the same steps as other prompts' chunks
+    assert any(len({o.request_id for o in s}) > 1 for s in steps)
+
+
+def test_preemption_by_recompute(llama) -> None:
+    path, model = llama
+    eng = engine(path, num_blocks=14, max_num_seqs=8)
+    batch = prompts(12, 13, 14, 15)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    results = eng.generate(batch, params)
+    assert eng.stats().num_preemptions > 0
+    for p, r in zip(batch, results, strict=True):
+        assert r.samples[0].token_ids == hf_greedy(model, p, 16)
+    assert eng.kv.num_free_blocks == 14
+
+
+def test_sequence_outgrowing_the_whole_pool_ends_with_length(llama) -> None:
+    path, model = llama
+    eng = engine(path, num_blocks=4)  # 16 token slots
+    (p,) = prompts(10)
+    (res,) = eng.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    # slots 10..15 take 6 decoded tokens; the 7th is sampled but has no slot to be fed from
+    assert res.samples[0].token_ids == hf_greedy(model, p, 7)
+    assert res.samples[0].finish_reason == "length"
+    assert eng.kv.num_free_blocks == 4
+
+
+def test_multi_turn_resend_hits_generated_blocks(llama) -> None:
+    path, model = llama
+    eng = engine(path)
+    (p,) = prompts(10)
+    (first,) = eng.generate([p], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    # the next turn resends prompt + answer + a new message: blocks filled by generated tokens
+    # were hashed too (16 of the 19 computed tokens form full blocks)
+    turn = [*p, *first.samples[0].token_ids, 1, 2, 3]
+    (second,) = eng.generate([turn], GREEDY)
+    assert second.num_cached_tokens == 16
+    assert second.samples[0].token_ids == hf_greedy(model, turn, 8)
+
+
+def test_prefix_hit_logits_match_cold_run(llama) -> None:
+    path, _ = llama
+    captured: list[torch.Tensor] = []
+
+    def run(eng: LLMEngine, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        captured.clear()
+        hook = eng.model.register_forward_hook(lambda m, a, out: captured.append(out.clone()))
+        (res,) = eng.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+        hook.remove()
+        return torch.cat(captured), res.num_cached_tokens
+
+    base, prompt = prompts(37, 41, start=3)
+    prompt[:37] = base
+    warm = engine(path)
+    warm.generate([base], GREEDY)
+    hit_logits, cached = run(warm, prompt)
+    cold_logits, cold_cached = run(engine(path), prompt)
+    assert cached == 36 and cold_cached == 0
+    torch.testing.assert_close(hit_logits, cold_logits, atol=1e-4, rtol=0)
+
+
+def test_n_samples_fork_with_copy_on_write(llama) -> None:
+    path, model = llama
+    eng = engine(path)
+    (p,) = prompts(10)  # ends inside a block: the forks share a partial block
+    (res,) = eng.generate([p], SamplingParams(max_tokens=6, temperature=0, n=3, ignore_eos=True))
+    expected = hf_greedy(model, p, 6)
+    assert [s.token_ids for s in res.samples] == [expected] * 3
+    assert eng.kv.num_copies == 2  # two of the three forks copied the shared partial block
+    assert eng.kv.num_free_blocks == eng.kv.num_total_blocks
+    # seeded sampling: reproducible per seed, different across samples
+    params = SamplingParams(max_tokens=12, temperature=1.5, n=2, seed=7, ignore_eos=True)
+    (a,) = eng.generate([p], params)
+    (b,) = eng.generate([p], params)
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    assert a.samples[0].token_ids != a.samples[1].token_ids
+
+
+def test_salt_isolates_and_no_leaks_after_abort(llama) -> None:
+    path, _ = llama
+    eng = engine(path)
+    (p,) = prompts(20)
+    eng.generate([p], GREEDY, cache_salt="tenant-a")
+    (other,) = eng.generate([p], GREEDY, cache_salt="tenant-b")
+    (same,) = eng.generate([p], GREEDY, cache_salt="tenant-a")
+    assert other.num_cached_tokens == 0 and same.num_cached_tokens == 16
+    eng.add_request("x", p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.add_request("y", p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    eng.step()
+    # admitted in the same step, y already shares x's full blocks (hashes registered at
+    # schedule time), and the unsalted namespace differs from both tenants'
+    assert eng.kv.block_ids("y#0")[:4] == eng.kv.block_ids("x#0")[:4]
+    eng.step()
+    assert eng.stats().num_running == 2
+    eng.abort("x")
+    eng.abort("y")
+    eng.abort("unknown")  # a no-op
+    outs = eng.step()
+    assert {(o.request_id, o.finish_reason, o.finished) for o in outs} == {
+        ("x", "abort", True),
+        ("y", "abort", True),
+    }
+    assert not eng.has_unfinished()
+    # a request aborted before its n samples were forked still ends every sample
+    eng.add_request("z", p, SamplingParams(max_tokens=5, n=3))
+    eng.abort("z")
+    assert sorted((o.index, o.finish_reason) for o in eng.step()) == [
+        (0, "abort"),
+        (1, "abort"),
+        (2, "abort"),
+    ]
+    assert not eng.has_unfinished()
+    stats = eng.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_usage == 0.0
+    assert stats.prompt_tokens_queried == 100 and stats.prompt_tokens_hit == 16 + 16
+
+
+def test_exact_event_stream(llama) -> None:
+    path, _ = llama
+    batches: list[list] = []
+    eng = LLMEngine.from_pretrained(
+        path, EngineConfig(block_size=4, num_blocks=6, device="cpu"), on_kv_events=batches.append
+    )
+    ns = eng.namespace(None)
+    a = list(range(10))
+    (ra,) = eng.generate([a], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    ha = hash_chain(a + ra.samples[0].token_ids, 4, ns)
+    # prefill stores blocks 0-1; the step writing token 11 completes and stores block 2
+    assert batches == [[BlockStored((ha[0], ha[1]), None)], [BlockStored((ha[2],), ha[1])]]
+    batches.clear()
+    # 5 new blocks: the unused one, then the LRU chain tail first
+    b = list(range(100, 117))
+    eng.generate([b], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    hb = hash_chain(b, 4, ns)
+    assert batches == [[BlockRemoved((ha[2], ha[1])), BlockStored(tuple(hb), None)]]
+    assert set(eng.cached_block_hashes()) == {ha[0], *hb}
+    batches.clear()
+    eng.reset_prefix_cache()
+    assert batches == [[AllBlocksCleared()]]
+    assert eng.cached_block_hashes() == []
+
+
+def test_stop_tokens_and_eos_from_generation_config(llama, tmp_path) -> None:
+    path, model = llama
+    (p,) = prompts(9)
+    expected = hf_greedy(model, p, 8)
+    stop = expected[3]
+    first = expected.index(stop)
+    eng = engine(path)
+    (res,) = eng.generate([p], SamplingParams(max_tokens=8, temperature=0, stop_token_ids=[stop]))
+    assert res.samples[0].token_ids == expected[: first + 1]
+    assert res.samples[0].finish_reason == "stop"
+    # the same token as EOS in generation_config.json stops too, unless ignore_eos
+    for f in path.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    eos_eng = engine(tmp_path)
+    assert stop in eos_eng.eos_token_ids
+    (res,) = eos_eng.generate([p], SamplingParams(max_tokens=8, temperature=0))
+    assert res.samples[0].token_ids == expected[: first + 1]
+    (res,) = eos_eng.generate([p], GREEDY)
+    assert res.samples[0].token_ids == expected
+
+
+def test_logprobs(llama) -> None:
+    path, _ = llama
+    eng = engine(path)
+    (p,) = prompts(6)
+    (res,) = eng.generate([p], SamplingParams(max_tokens=3, temperature=0, logprobs=2))
+    lps = res.samples[0].logprobs
+    assert [lp.token_id for lp in lps] == res.samples[0].token_ids
+    for lp in lps:
+        assert lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)
+        assert len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ([], GREEDY, "empty"),
+        ([1] * 256, GREEDY, "context"),
+        ([1, 2, VOCAB], GREEDY, "outside the vocabulary"),
+        ([1, -1], GREEDY, "outside the vocabulary"),
+        ([1, 2.5], GREEDY, "integers"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
+        ([1] * 100, GREEDY, "cannot fit"),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, match) -> None:
+    path, model = llama
+    eng = engine(path, num_blocks=16)
+    (good,) = prompts(5)
+    eng.add_request("good", good, GREEDY)
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.add_request("bad", prompt, params)
+    with pytest.raises(InvalidRequestError, match="duplicate"):
+        eng.add_request("good", good, GREEDY)
+    with pytest.raises(InvalidRequestError, match=match):
+        eng.generate([good, prompt], [GREEDY, params])  # all or nothing
+    assert eng.stats().num_waiting == 1
+    tokens = []
+    while eng.has_unfinished():
+        tokens += [t for o in eng.step() for t in o.new_token_ids]
+    assert tokens == hf_greedy(model, good, 8)
+
+
+def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
+    path, _ = llama
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x fp32 bytes
+    with caplog.at_level("INFO", logger="workers.engine"):
+        eng = engine(path, num_blocks=None, kv_cache_memory_bytes=per_token * 4 * 10 + 100)
+    assert eng.kv.num_total_blocks == 10
+    assert tuple(eng.kv_cache.shape) == (2, 2, 10, 4, 2, 16)
+    text = caplog.text
+    assert "512 bytes/token" in text and "10 blocks of 4 = 40 tokens" in text
+    assert "GQA saves 2x over MHA (4/2 heads)" in text

@@ -1,0 +1,150 @@
+"""Validation of the OpenAI request models: what is accepted, what is a clear 400."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    Usage,
+    format_validation_error,
+)
+
+
+def _error(model: type, body: dict | str) -> tuple[str, str | None]:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    with pytest.raises(ValidationError) as info:
+        model.model_validate_json(raw)
+    return format_validation_error(info.value)
+
+
+def test_completion_prompt_forms() -> None:
+    assert CompletionRequest.model_validate_json('{"prompt": "hi"}').prompts() == ["hi"]
+    assert CompletionRequest.model_validate_json('{"prompt": [1, 2]}').prompts() == [[1, 2]]
+    batch = CompletionRequest.model_validate_json('{"prompt": ["a", "b"]}')
+    assert batch.prompts() == ["a", "b"]
+    ids = CompletionRequest.model_validate_json('{"prompt": [[1], [2, 3]]}')
+    assert ids.prompts() == [[1], [2, 3]]
+    assert ids.max_tokens == 16  # OpenAI's default for completions
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"prompt": []}, "prompt", "must not be empty"),
+        ({"prompt": ["a", ""]}, "prompt", "must not be empty"),
+        ({"prompt": [1, "a"]}, "prompt", "list of token ids"),
+        ({"prompt": 5}, "prompt", "must be a string"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"prompt": "x", "max_tokens": "5"}, "max_tokens", "valid integer"),
+        ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+        ({"prompt": "x", "n": 17}, "n", "less than or equal to 16"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature", "less than or equal to 2"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "greater than 0"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+        ({"prompt": "x", "stop": ""}, "stop", "must not be empty"),
+        ({"prompt": "x", "stop": ["s"] * 17}, "stop", "at most 16"),
+        ({"prompt": "x", "stop": "x" * 300}, "stop", "at most 256"),
+        ({"prompt": "x", "seed": -1}, "seed", "greater than or equal to 0"),
+        ({"prompt": "x", "echo": True}, "echo", "not supported"),
+        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
+        ({"prompt": "x", "cache_salt": ""}, "cache_salt", "at least 1 character"),
+        ({}, "prompt", "Field required"),
+    ],
+)
+def test_completion_rejects(body: dict, param: str, fragment: str) -> None:
+    message, got_param = _error(CompletionRequest, body)
+    assert got_param == param
+    assert fragment in message
+
+
+def test_nan_and_malformed_json_are_rejected() -> None:
+    message, param = _error(CompletionRequest, '{"prompt": "x", "temperature": NaN}')
+    assert param == "temperature"
+    assert "finite" in message
+    message, param = _error(CompletionRequest, '{"prompt": "x",')
+    assert param is None
+    assert "not valid JSON" in message
+    assert "object" in _error(CompletionRequest, "[1, 2]")[0]
+
+
+def test_unknown_fields_are_ignored_and_neutral_values_accepted() -> None:
+    req = CompletionRequest.model_validate_json(json.dumps({
+        "prompt": "x", "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
+        "best_of": 1, "some_sdk_field": {"a": 1}, "stream_options": {"include_usage": True},
+    }))
+    assert req.include_usage
+    assert "some_sdk_field" not in req.model_dump()
+
+
+def test_sampling_fields() -> None:
+    req = CompletionRequest.model_validate_json(json.dumps({
+        "prompt": "x", "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "n": 2,
+        "stop": "END", "stop_token_ids": [3], "ignore_eos": True,
+    }))
+    assert req.sampling_fields() == {
+        "n": 2, "ignore_eos": True, "temperature": 0.0, "top_p": 0.5, "top_k": 0, "seed": 7,
+        "stop_token_ids": [3],
+    }
+    assert req.stop_strings == ["END"]
+    assert CompletionRequest.model_validate_json('{"prompt": "x"}').sampling_fields() == {
+        "n": 1, "ignore_eos": False,
+    }
+
+
+def test_chat_messages() -> None:
+    req = ChatCompletionRequest.model_validate_json(json.dumps({
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                                                                        "text": "b"}]},
+        ],
+        "max_tokens": 5, "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 2,
+    }))
+    assert [m.text() for m in req.messages] == ["be brief", "ab"]
+    assert req.max_output_tokens == 7
+    assert req.num_logprobs == 2
+    plain = ChatCompletionRequest.model_validate_json('{"messages":[{"role":"user","content":""}]}')
+    assert plain.max_output_tokens is None
+    assert plain.num_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "fragment"),
+    [
+        ({"messages": []}, "messages", "at least 1 item"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'user'"),
+        ({"messages": [{"role": "user"}]}, "messages.0.content", "Field required"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "text parts"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         "messages.0.content", "only text content parts"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None,
+         "requires logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+         "tools", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+         "max_completion_tokens", "greater than or equal to 1"),
+    ],
+)
+def test_chat_rejects(body: dict, param: str | None, fragment: str) -> None:
+    message, got_param = _error(ChatCompletionRequest, body)
+    assert got_param == param
+    assert fragment in message
+
+
+def test_response_shapes() -> None:
+    usage = Usage.of(10, 3, cached_tokens=8)
+    assert usage.model_dump() == {
+        "prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13,
+        "prompt_tokens_details": {"cached_tokens": 8},
+    }
+    err = ErrorResponse.of("bad", param="n").model_dump()
+    assert err == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n",
+                             "code": None}}

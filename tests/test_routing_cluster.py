@@ -1,0 +1,316 @@
+"""Prefix-aware routing on a real Ray Serve deployment: two LLMWorker replicas, real Redis.
+
+One Ray instance and one worker app for the module (Ray start is slow on small machines); a few
+tests add a short-lived app next to it (a fan-out caller, a misconfigured router). Prompts are
+8-block prefixes plus 8-token suffixes of the built-in model. The Redis test goes last: it stops
+and restarts the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import Counter
+
+import pytest
+import ray
+from ray import serve
+
+from cluster.local_redis import LocalRedis
+from router.blocks import hash_chain, namespace
+from router.index import PrefixIndex
+from router.policy import rendezvous
+from router.request import GenerateRequest
+from workers.builtin import ensure_builtin_model
+from workers.deployment import TokenDelta, worker_deployment
+
+MODEL = "tiny"
+BLOCK = 16
+PREFIX_BLOCKS = 8
+ENGINE = {"block_size": BLOCK, "num_blocks": 160, "max_num_seqs": 16}
+GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+_ids = iter(range(10**9))
+pytestmark = pytest.mark.timeout(300)  # a routing bug shows up as a request that never returns
+
+
+@pytest.fixture(scope="module")
+def handle(redis_server: LocalRedis):
+    model_path = str(ensure_builtin_model())
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(proxy_location="Disabled")
+        deployment = worker_deployment(
+            num_replicas=2,
+            num_cpus=0.5,
+            routing_stats_period_s=1.0,
+            router_kwargs={
+                "redis_url": redis_server.url,
+                "model": MODEL,
+                "block_size": BLOCK,
+                "lookup_deadline_s": 0.1,
+                "predict_ttl_s": 1.0,
+                "failopen_backoff_s": 0.5,
+                "check_interval_s": 5.0,
+            },
+        )
+        app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL,
+                              heartbeat_interval_s=0.2)
+        yield serve.run(app, name="routing", route_prefix=None)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def prefix(seed: int, blocks: int = PREFIX_BLOCKS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(250) for _ in range(blocks * BLOCK)]
+
+
+def suffix() -> list[int]:
+    return [next(_ids) % 250 for _ in range(8)]
+
+
+def request(tokens: list[int], **sampling) -> GenerateRequest:
+    return GenerateRequest(f"req-{next(_ids)}", tokens, {**GREEDY, **sampling}, model=MODEL)
+
+
+def run(handle, tokens: list[int]) -> list[TokenDelta]:
+    deltas = list(handle.options(stream=True).generate.remote(request(tokens)))
+    assert deltas[-1].finished
+    return deltas
+
+
+def stats(handle, worker: str) -> dict:
+    return handle.stats.remote(target_worker=worker).result()
+
+
+async def confirmed_depth(url: str, chain: list[bytes], worker: str) -> int:
+    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    try:
+        match = (await index.lookup(chain)).matches.get(worker)
+        return match.confirmed_depth if match else -1
+    finally:
+        await index.close()
+
+
+def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+async def live_replicas(url: str) -> list[str]:
+    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    try:
+        return sorted(w.replica_id for w in await index.live_workers())
+    finally:
+        await index.close()
+
+
+def hash_favourite(tokens: list[int], fp: str, replicas: list[str]) -> str:
+    """The replica that the policy's tie-break (rendezvous on block 0) prefers at even load."""
+    first = hash_chain(tokens[:BLOCK], BLOCK, namespace(fp))[0]
+    return max(replicas, key=lambda r: rendezvous(first, r))
+
+
+def seed_against_the_hash(handle, url: str, seed: int) -> tuple[list[int], str, str]:
+    """Cache a prefix on the replica the hash tie-break does NOT prefer.
+
+    A long cold prompt is sent to the favoured replica first; while it is prefilling, the
+    router's own unreported-work accounting pushes the prefix to the other one. Later
+    requests can then only find the holder through prefix knowledge, not through the hash.
+    Returns (prefix, holder, favoured).
+    """
+    replicas = asyncio.run(live_replicas(url))
+    fp = stats(handle, replicas[0])["fingerprint"]
+    tried = []
+    for attempt in range(3):
+        p = prefix(1000 * seed + attempt)
+        favoured = hash_favourite(p, fp, replicas)
+        blocker = next(
+            b for b in (prefix(10**6 + 1000 * seed + 100 * attempt + i, blocks=120)
+                        for i in range(100))
+            if hash_favourite(b, fp, replicas) == favoured
+        )
+        busy = handle.options(stream=True).generate.remote(request(blocker, max_tokens=1))
+        time.sleep(0.05)  # routed, and still prefilling its 1920 tokens
+        holder = run(handle, p + suffix())[-1].worker
+        blocked = list(busy)[-1].worker
+        if holder != favoured:
+            return p, holder, favoured
+        tried.append({"favoured": favoured, "blocker on": blocked, "prefix on": holder})
+    pytest.fail(f"could not place a prefix against the hash tie-break: {tried}")
+
+
+def test_shared_prefix_goes_to_the_same_worker_and_hits_its_cache(handle, redis_server) -> None:
+    p = prefix(1)
+    first = run(handle, p + suffix())
+    worker = first[-1].worker
+    assert first[0].num_cached_tokens == 0
+    second = run(handle, p + suffix())
+    assert second[-1].worker == worker
+    assert second[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+    # The index learned it from the worker's own KV events ...
+    fp = stats(handle, worker)["fingerprint"]
+    chain = hash_chain(p, BLOCK, namespace(fp))
+    assert wait_for(
+        lambda: asyncio.run(confirmed_depth(redis_server.url, chain, worker)) >= PREFIX_BLOCKS, 5
+    ), stats(handle, worker)
+    # ... so once every predicted entry has expired, routing still finds the holder.
+    time.sleep(1.2)
+    third = run(handle, p + suffix())
+    assert third[-1].worker == worker
+    assert third[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+
+
+def test_the_prefix_holder_wins_over_the_hash_tie_break(handle, redis_server) -> None:
+    p, holder, favoured = seed_against_the_hash(handle, redis_server.url, seed=7)
+    time.sleep(1.2)  # predicted entries and this router's own memory have expired
+    later = run(handle, p + suffix())
+    assert later[-1].worker == holder != favoured
+    assert later[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+
+
+def test_another_router_finds_the_holder_through_the_shared_index(handle, redis_server) -> None:
+    p, holder, favoured = seed_against_the_hash(handle, redis_server.url, seed=9)
+
+    @ray.remote(num_cpus=0)
+    class OtherIngress:  # its own process, handle and router: no memory of our decisions
+        def __init__(self) -> None:
+            self.handle = serve.get_deployment_handle("LLMWorker", "routing")
+
+        def run(self, req: GenerateRequest) -> tuple[str, int]:
+            deltas = list(self.handle.options(stream=True).generate.remote(req))
+            return deltas[-1].worker, deltas[0].num_cached_tokens
+
+    other = OtherIngress.remote()
+    worker, cached = ray.get(other.run.remote(request(p + suffix())), timeout=120)
+    assert worker == holder != favoured
+    assert cached >= PREFIX_BLOCKS * BLOCK
+
+
+def test_sibling_calls_of_one_request_are_each_routed(handle) -> None:
+    # An ingress serving one HTTP request fans out several handle calls; Serve gives them one
+    # internal_request_id. Each must still be routed, to its own prefix's worker.
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class FanOut:
+        def __init__(self) -> None:
+            self.workers = serve.get_deployment_handle("LLMWorker", "routing")
+
+        async def __call__(self, prompts: list[list[int]]) -> list[tuple[str, int]]:
+            async def one(i: int, tokens: list[int]) -> tuple[str, int]:
+                req = GenerateRequest(f"fan-{i}", tokens,
+                                      {"max_tokens": 2, "temperature": 0, "ignore_eos": True})
+                stream = self.workers.options(stream=True).generate.remote(req)
+                deltas = [d async for d in stream]
+                return deltas[-1].worker, deltas[0].num_cached_tokens
+
+            return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(prompts))))
+
+    fan = serve.run(FanOut.bind(), name="fanout", route_prefix=None)
+    try:
+        a, b = prefix(11), prefix(12)
+        run(handle, a + suffix())  # warm a's worker
+        out = fan.remote([a + suffix(), b + suffix(), a + suffix(), [5, 6, 7]]).result(
+            timeout_s=120
+        )
+        assert len(out) == 4
+        assert out[0][0] == out[2][0]  # same prefix, same worker, even as siblings
+        assert out[0][1] >= PREFIX_BLOCKS * BLOCK and out[2][1] >= PREFIX_BLOCKS * BLOCK
+    finally:
+        serve.delete("fanout")
+
+
+def test_different_prefixes_spread_over_workers(handle) -> None:
+    picks = Counter(run(handle, prefix(100 + i) + suffix())[-1].worker for i in range(12))
+    assert len(picks) == 2, picks
+
+
+def test_a_burst_with_one_new_prefix_lands_on_one_worker(handle) -> None:
+    p = prefix(2)
+    streams = [handle.options(stream=True).generate.remote(request(p + suffix()))
+               for _ in range(8)]
+    results = [list(s) for s in streams]
+    workers = {r[-1].worker for r in results}
+    assert len(workers) == 1, workers
+    assert sum(r[0].num_cached_tokens > 0 for r in results) >= 1
+
+
+def test_a_cancelled_stream_frees_its_blocks(handle) -> None:
+    stream = handle.options(stream=True).generate.remote(
+        request(prefix(3) + suffix(), max_tokens=2000)
+    )
+    it = iter(stream)
+    first = next(it)
+    next(it)
+    worker = first.worker
+    assert stats(handle, worker)["num_running"] == 1
+    stream.cancel()
+
+    def idle() -> bool:
+        s = stats(handle, worker)
+        return s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0
+
+    assert wait_for(idle, 15, 0.2)
+
+
+def test_a_router_with_the_wrong_fingerprint_refuses_prefix_routing(handle, redis_server) -> None:
+    model_path = str(ensure_builtin_model())
+    wrong = worker_deployment(
+        name="MismatchedWorker",
+        num_replicas=1,
+        num_cpus=0.5,
+        router_kwargs={"redis_url": redis_server.url, "model": MODEL, "block_size": BLOCK,
+                       "fingerprint": "not-this-model", "lookup_deadline_s": 0.1},
+    )
+    other = serve.run(wrong.bind(model_path, ENGINE, redis_server.url, MODEL),
+                      name="mismatch", route_prefix=None)
+    try:
+        p = prefix(5)
+        for _ in range(2):
+            assert run(other, p + suffix())[-1].finish_reason == "length"  # still serves
+        # It never wrote predicted entries under its (wrong) names for these blocks.
+        wrong_chain = hash_chain(p, BLOCK, namespace("not-this-model"))
+        assert asyncio.run(predicted_depths(redis_server.url, wrong_chain)) == {}
+        assert len(asyncio.run(live_replicas(redis_server.url))) == 3
+    finally:
+        serve.delete("mismatch")
+    # Graceful shutdown deregistered it at once (its lease alone would last 10 s).
+    assert len(asyncio.run(live_replicas(redis_server.url))) == 2
+
+
+async def predicted_depths(url: str, chain: list[bytes]) -> dict[str, int]:
+    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    try:
+        matches = (await index.lookup(chain)).matches
+        return {k: m.predicted_depth for k, m in matches.items() if m.predicted_depth}
+    finally:
+        await index.close()
+
+
+def test_redis_outage_fails_open_and_prefix_routing_resumes(handle, redis_server) -> None:
+    p, holder, favoured = seed_against_the_hash(handle, redis_server.url, seed=8)
+    fp = stats(handle, holder)["fingerprint"]
+    chain = hash_chain(p, BLOCK, namespace(fp))
+
+    redis_server.stop()
+    try:
+        during = [run(handle, prefix(200 + i) + suffix()) for i in range(3)]
+        assert all(d[-1].finish_reason == "length" for d in during)  # load-only, still serving
+    finally:
+        redis_server.start()
+
+    # Redis came back empty: the workers re-register and resync their whole block sets.
+    assert wait_for(
+        lambda: asyncio.run(confirmed_depth(redis_server.url, chain, holder)) >= PREFIX_BLOCKS,
+        20, 0.3,
+    )
+    time.sleep(1.2)  # past the router's fail-open backoff and every predicted entry
+    after = run(handle, p + suffix())
+    assert after[-1].worker == holder != favoured  # found through the index, not the hash
+    assert after[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK

@@ -1,0 +1,153 @@
+"""LLMWorker without Ray: streaming, cancellation, errors, n > 1, and publishing to the index."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from cluster.local_redis import LocalRedis, free_port
+from router.blocks import hash_chain, namespace
+from router.index import PrefixIndex
+from router.request import GenerateRequest
+from workers.builtin import ensure_builtin_model
+from workers.deployment import LLMWorker, TokenDelta
+from workers.errors import InvalidRequestError
+
+ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8}
+PROMPT = [(i * 7) % 250 for i in range(40)]
+GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+
+
+async def make_worker(**kwargs) -> LLMWorker:
+    worker = LLMWorker.__new__(LLMWorker)
+    await worker.__init__(str(ensure_builtin_model()), ENGINE, model_name="tiny", **kwargs)
+    return worker
+
+
+async def collect(worker: LLMWorker, request: GenerateRequest) -> list[TokenDelta]:
+    return [d async for d in worker.generate(request)]
+
+
+async def wait_idle(worker: LLMWorker, timeout_s: float = 5.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = await worker.stats()
+        if stats["num_free_blocks"] == stats["num_total_blocks"] or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture
+async def worker():
+    w = await make_worker()
+    yield w
+    await w.shutdown()
+
+
+async def test_streams_deltas_and_reuses_the_prefix(worker: LLMWorker) -> None:
+    first = await collect(worker, GenerateRequest("a", PROMPT, GREEDY))
+    assert sum(len(d.token_ids) for d in first) == 4
+    assert first[-1].finished and first[-1].finish_reason == "length"
+    assert not any(d.finished for d in first[:-1])
+    assert {d.worker for d in first} == {worker.replica_id}
+    assert first[0].num_prompt_tokens == 40 and first[0].num_cached_tokens == 0
+    second = await collect(worker, GenerateRequest("a", PROMPT, GREEDY))  # same id is fine
+    assert second[0].num_cached_tokens == 32  # two full blocks
+    assert [t for d in second for t in d.token_ids] == [t for d in first for t in d.token_ids]
+    stats = await wait_idle(worker)
+    assert stats["prompt_tokens_hit"] == 32 and stats["prompt_tokens_queried"] == 80
+
+
+async def test_closing_the_stream_aborts_and_frees_blocks(worker: LLMWorker) -> None:
+    request = GenerateRequest("long", PROMPT, {"max_tokens": 500, "ignore_eos": True})
+    stream = worker.generate(request)
+    got = [await stream.__anext__() for _ in range(2)]
+    assert all(not d.finished for d in got)
+    busy = await worker.stats()
+    assert busy["num_free_blocks"] < busy["num_total_blocks"]
+    await stream.aclose()
+    stats = await wait_idle(worker)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_running"] == 0
+
+
+async def test_a_cancelled_consumer_task_aborts_too(worker: LLMWorker) -> None:
+    request = GenerateRequest("c", PROMPT, {"max_tokens": 500, "ignore_eos": True})
+    task = asyncio.create_task(collect(worker, request))
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    stats = await wait_idle(worker)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_bad_requests_fail_alone_and_the_loop_keeps_serving(worker: LLMWorker) -> None:
+    with pytest.raises(InvalidRequestError, match="unknown sampling"):
+        await collect(worker, GenerateRequest("x", PROMPT, {"bogus": 1}))
+    with pytest.raises(InvalidRequestError, match="max_tokens"):
+        await collect(worker, GenerateRequest("x", PROMPT, {"max_tokens": 0}))
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        await collect(worker, GenerateRequest("x", [1, 2, 10**6], GREEDY))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        await collect(worker, GenerateRequest("x", [], GREEDY))
+    ok = await collect(worker, GenerateRequest("y", PROMPT, GREEDY))
+    assert ok[-1].finished
+    await worker.check_health()
+
+
+async def test_n_samples_each_finish(worker: LLMWorker) -> None:
+    deltas = await collect(
+        worker, GenerateRequest("n", PROMPT, {"max_tokens": 3, "n": 2, "ignore_eos": True})
+    )
+    finished = {d.index: d.finish_reason for d in deltas if d.finished}
+    assert finished == {0: "length", 1: "length"}
+    assert sum(len(d.token_ids) for d in deltas if d.index == 1) == 3
+
+
+async def test_routing_stats_describe_the_worker(worker: LLMWorker) -> None:
+    stats = worker.record_routing_stats()
+    assert stats["block_size"] == 16 and stats["fingerprint"] == worker.fingerprint
+    assert stats["load"]["num_running"] == 0
+    assert stats["worker"] == worker.replica_id
+
+
+async def test_publishes_blocks_and_deregisters(redis_server: LocalRedis) -> None:
+    w = await make_worker(redis_url=redis_server.url, heartbeat_interval_s=0.2)
+    index = PrefixIndex(redis_server.url, "tiny", deadline_s=1.0)
+    try:
+        await collect(w, GenerateRequest("p", PROMPT, GREEDY))
+        assert await w._publisher.wait_synced(5.0)
+        chain = hash_chain(PROMPT, 16, namespace(w.fingerprint))
+        match = (await index.lookup(chain)).matches[w.replica_id]
+        assert match.confirmed_depth == 2
+        assert match.worker_id == w.worker_id
+        # the heartbeat carries the engine's load
+        deadline = time.monotonic() + 3
+        while match.load is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            match = (await index.lookup(chain)).matches[w.replica_id]
+        assert match.load is not None and match.load.timestamp > 0
+        await w.shutdown()
+        assert w.replica_id not in (await index.lookup(chain)).matches
+        with pytest.raises(RuntimeError, match="not running"):
+            await w.check_health()  # a stopped replica is unhealthy ...
+        with pytest.raises(RuntimeError, match="not running"):
+            await collect(w, GenerateRequest("late", PROMPT, GREEDY))  # ... and fails fast
+    finally:
+        await w.shutdown()
+        await index.close()
+
+
+async def test_serves_and_stays_healthy_while_redis_is_unreachable() -> None:
+    w = await make_worker(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        deltas = await collect(w, GenerateRequest("r", PROMPT, GREEDY))
+        assert deltas[-1].finished
+        await w.check_health()
+        stats = await w.stats()
+        assert stats["worker_id"] is None and not stats["index_synced"]
+    finally:
+        await w.shutdown()

@@ -1,0 +1,537 @@
+"""LLMEngine: token-in / token-out generation with continuous batching and prefix caching.
+
+One step = schedule (scheduler.py) → copy-on-write copies → one forward pass over every
+scheduled token (model_runner.py) → sample → append, stop checks, fork ``n > 1`` samples →
+deliver the step's KV events to ``on_kv_events``. Single-threaded: the replica drives it from
+one loop thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import ctypes.util
+import hashlib
+import logging
+import operator
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from router import blocks
+from router.events import KVEvent
+from workers.errors import InvalidRequestError
+from workers.kv_cache import KVCacheManager, cdiv
+from workers.loader import load_model, resolve_device, weight_files
+from workers.model import allocate_kv_cache, copy_blocks, kv_bytes_per_token
+from workers.model_runner import ModelRunner
+from workers.sampling import Sampler, SamplingParams, TokenLogprob, make_generator
+from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
+
+__all__ = [
+    "EngineConfig",
+    "EngineStats",
+    "GenerateOutput",
+    "LLMEngine",
+    "RequestOutput",
+    "SampleOutput",
+    "TokenLogprob",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 256 * 2**20
+DEFAULT_GPU_KV_FRACTION = 0.8  # of the memory free after loading the weights
+RATE_SMOOTHING = 0.2  # weight of the newest step in the exponentially smoothed rates
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # exact pool size; else derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # default: 256 MiB on CPU, 80% of free GPU memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's (max_position_embeddings)
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    enable_prefix_caching: bool = True
+    model_fingerprint: str | None = None  # default: derived from the checkpoint files
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one sample of a request in one step."""
+
+    request_id: str
+    index: int  # which of the n samples (0..n-1)
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_queried: int  # cumulative, in tokens (vLLM style)
+    prompt_tokens_hit: int
+    kv_usage: float  # 0..1 of blocks in use
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet prefilled
+    prefill_tokens_per_s: float  # measured, smoothed
+    decode_tokens_per_s: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int = 0
+
+
+@dataclass
+class SampleOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class GenerateOutput:
+    """One prompt's result from :meth:`LLMEngine.generate`: its ``n`` samples in index order."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    samples: list[SampleOutput]
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    stop_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    num_done: int = 0
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A name for the weights that every worker of the same checkpoint agrees on.
+
+    SHA-256 over config.json and, per weight file, its name, size and first MiB of data (cheap
+    to read, and different for different weights of the same shape).
+    """
+    path = Path(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in weight_files(path):
+        h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            h.update(fh.read(2**20))
+    return h.hexdigest()[:32]
+
+
+def keep_cpu_heap() -> None:
+    """Stop glibc from handing freed activations back to the OS after every op (CPU only).
+
+    By default each tensor over 128 KiB is a fresh mmap, so every layer of every step page-faults
+    its outputs in again; on this kind of VM that made prefill 4-5x slower than the matmuls
+    allow. Raising the mmap and trim thresholds keeps freed blocks in the heap for reuse (what
+    vLLM's CPU backend gets by preloading tcmalloc). Process-wide, harmless elsewhere.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD (capped by glibc at 32 MiB)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: EngineConfig,
+        model_fingerprint: str,
+        on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> None:
+        mc = model.config
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(config, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1")
+        self.config = config
+        self.model = model
+        self.model_config = mc
+        self.block_size = config.block_size
+        self.model_fingerprint = model_fingerprint
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids: tuple[int, ...] = tuple(mc.eos_token_ids)
+        self.max_model_len = config.max_model_len or mc.max_model_len
+        if self.max_model_len > mc.max_model_len:
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's {mc.max_model_len}"
+            )
+        self.on_kv_events = on_kv_events
+        device = next(model.parameters()).device
+        per_token = kv_bytes_per_token(mc, config.dtype)
+        num_blocks = config.num_blocks or self._blocks_for_budget(per_token, device)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, config.dtype, device)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, self.kv)
+        self.sampler = Sampler()
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
+        self._ns_cache: dict[str | None, bytes] = {}
+        self._prefill_rate = 0.0
+        self._decode_rate = 0.0
+        tokens = num_blocks * config.block_size
+        log.info(
+            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
+            "%d blocks of %d = %d tokens (%.1f MiB); GQA saves %.0fx over MHA (%d/%d heads)",
+            per_token,
+            mc.num_hidden_layers,
+            mc.num_key_value_heads,
+            mc.head_dim,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+            tokens,
+            per_token * tokens / 2**20,
+            mc.num_attention_heads / mc.num_key_value_heads,
+            mc.num_attention_heads,
+            mc.num_key_value_heads,
+        )
+
+    def _blocks_for_budget(self, per_token: int, device: torch.device) -> int:
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                budget = int(free * DEFAULT_GPU_KV_FRACTION)
+            else:
+                budget = DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // (per_token * self.config.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {budget} bytes holds no block")
+        return num_blocks
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+    ) -> LLMEngine:
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        if device.type == "cpu":
+            keep_cpu_heap()
+        model = load_model(path, config.dtype, device)
+        fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
+        return cls(model, config, fingerprint, on_kv_events)
+
+    def namespace(self, cache_salt: str | None) -> bytes:
+        ns = self._ns_cache.get(cache_salt)
+        if ns is None:
+            ns = blocks.namespace(self.model_fingerprint, cache_salt)
+            if len(self._ns_cache) < 1024:
+                self._ns_cache[cache_salt] = ns
+        return ns
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError (and changes nothing) on bad input."""
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+        if not isinstance(sampling_params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        sampling_params.validate()
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string or None")
+        try:
+            prompt = [operator.index(t) for t in prompt_token_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt token ids must be integers") from None
+        if not prompt:
+            raise InvalidRequestError("prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
+                "tokens, including at least 1 to generate"
+            )
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
+            raise InvalidRequestError(
+                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+            )
+        if cdiv(len(prompt) + 1, self.block_size) > self.kv.num_total_blocks:
+            raise InvalidRequestError(
+                f"prompt of {len(prompt)} tokens cannot fit in the KV cache "
+                f"({self.kv.num_total_blocks * self.block_size} tokens)"
+            )
+        stop = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        req = _Request(request_id, sampling_params, len(prompt), frozenset(stop))
+        hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))
+        hasher.append(prompt)
+        seq = Sequence(
+            seq_id=f"{request_id}#0",
+            request_id=request_id,
+            index=0,
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            params=sampling_params,
+            hasher=hasher,
+        )
+        seq.extra["gen"] = make_generator(sampling_params, 0, self.kv_cache.device)
+        req.seqs.append(seq)
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks now; its samples report "abort" next step."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                self._pending.append(self._output(req, seq, [], None))
+                if not seq.forked:
+                    self._pending.extend(self._unborn(req, seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        for seq in sched.too_long:
+            self._retire(seq, "length", outputs, [], None)
+        if not sched.empty:
+            copies = self.kv.take_copies()
+            if copies:
+                copy_blocks(self.kv_cache, copies)
+            start = time.perf_counter()
+            logits, sampled = self.runner.execute(sched)
+            for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+            if logits is not None:
+                self._sample_and_append(logits, sampled, outputs)
+            self._update_rates(sched, time.perf_counter() - start)
+        self._flush_events()
+        return outputs
+
+    def _sample_and_append(
+        self, logits: torch.Tensor, sampled: list[Sequence], outputs: list[RequestOutput]
+    ) -> None:
+        rows: list[int] = []
+        targets: list[Sequence] = []
+        for i, seq in enumerate(sampled):
+            if not seq.forked and seq.params.n > 1:
+                targets.extend(self._fork(seq))
+                rows.extend([i] * seq.params.n)
+            else:
+                targets.append(seq)
+                rows.append(i)
+        if len(rows) != len(sampled):
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        params = [s.params for s in targets]
+        gens = [s.extra["gen"] for s in targets]
+        token_ids, logprobs = self.sampler.sample(logits, params, gens)
+        done: set[Sequence] = set()
+        for seq, tok, lp in zip(targets, token_ids, logprobs, strict=True):
+            req = self._requests[seq.request_id]
+            seq.append_token(tok)
+            reason = None
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif (
+                seq.num_output_tokens >= req.params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
+                reason = "length"
+            lps = None if lp is None else [lp]
+            if reason is None:
+                outputs.append(self._output(req, seq, [tok], lps))
+            else:
+                self._retire(seq, reason, outputs, [tok], lps)
+                done.add(seq)
+        self.scheduler.remove_finished(done)
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split a finished prefill into its n samples, sharing every block (CoW on write)."""
+        req = self._requests[parent.request_id]
+        parent.forked = True
+        family = [parent]
+        for index in range(1, parent.params.n):
+            child = Sequence(
+                seq_id=f"{parent.request_id}#{index}",
+                request_id=parent.request_id,
+                index=index,
+                token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens,
+                params=parent.params,
+                hasher=copy.deepcopy(parent.hasher),
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens,
+                status=SeqStatus.RUNNING,
+                forked=True,
+            )
+            child.extra["gen"] = make_generator(parent.params, index, self.kv_cache.device)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+            family.append(child)
+        return family
+
+    def _retire(
+        self,
+        seq: Sequence,
+        reason: str,
+        outputs: list[RequestOutput],
+        tokens: list[int],
+        lps: list[TokenLogprob] | None,
+    ) -> None:
+        """Finish one sample: free its blocks; the request ends with its last sample."""
+        req = self._requests[seq.request_id]
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.seq_id)
+        outputs.append(self._output(req, seq, tokens, lps))
+        req.num_done += 1
+        if not seq.forked:  # ended before its n > 1 samples were forked: they end with it
+            outputs.extend(self._unborn(req, seq))
+            req.num_done = req.params.n
+        if req.num_done == req.params.n:
+            del self._requests[seq.request_id]
+
+    def _unborn(self, req: _Request, parent: Sequence) -> list[RequestOutput]:
+        """Final outputs for samples 1..n-1 of a request whose parent never forked."""
+        outs = []
+        for index in range(1, req.params.n):
+            out = self._output(req, parent, [], None)
+            out.index = index
+            outs.append(out)
+        return outs
+
+    @staticmethod
+    def _output(
+        req: _Request, seq: Sequence, tokens: list[int], lps: list[TokenLogprob] | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            index=seq.index,
+            new_token_ids=tokens,
+            new_logprobs=lps,
+            finished=seq.status is SeqStatus.FINISHED,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+        )
+
+    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        a = RATE_SMOOTHING
+        if sched.num_prefill_tokens:
+            rate = sched.num_prefill_tokens / seconds
+            self._prefill_rate = (
+                rate if not self._prefill_rate else (a * rate + (1 - a) * self._prefill_rate)
+            )
+        if sched.num_decode_tokens:
+            rate = sched.num_decode_tokens / seconds
+            self._decode_rate = (
+                rate if not self._decode_rate else (a * rate + (1 - a) * self._decode_rate)
+            )
+
+    def _flush_events(self) -> None:
+        events = self.kv.take_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
+
+    # ----------------------------------------------------------------- offline & introspection
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        cache_salt: str | None = None,
+    ) -> list[GenerateOutput]:
+        """Run a batch to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams per prompt")
+        results: dict[str, GenerateOutput] = {}
+        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+            rid = f"generate-{id(results)}-{i}"
+            try:
+                self.add_request(rid, prompt, p, cache_salt)
+            except InvalidRequestError:  # all or nothing: withdraw the ones already queued
+                for queued in results:
+                    self.abort(queued)
+                self._pending = [o for o in self._pending if o.request_id not in results]
+                raise
+            results[rid] = GenerateOutput(
+                rid,
+                list(prompt),
+                0,
+                [
+                    SampleOutput(j, [], None, [] if p.logprobs is not None else None)
+                    for j in range(p.n)
+                ],
+            )
+        while any(rid in self._requests for rid in results):
+            for out in self.step():
+                res = results.get(out.request_id)
+                if res is None:
+                    continue
+                sample = res.samples[out.index]
+                sample.token_ids.extend(out.new_token_ids)
+                if out.new_logprobs and sample.logprobs is not None:
+                    sample.logprobs.extend(out.new_logprobs)
+                res.num_cached_tokens = out.num_cached_tokens
+                if out.finished:
+                    sample.finish_reason = out.finish_reason
+        return list(results.values())
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            prompt_tokens_queried=s.prompt_tokens_queried,
+            prompt_tokens_hit=s.prompt_tokens_hit,
+            kv_usage=self.kv.usage,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_tokens_per_s=self._decode_rate,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.kv.cached_hashes()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached hash; ``AllBlocksCleared`` goes out at once."""
+        self.kv.reset_prefix_cache()
+        self._flush_events()

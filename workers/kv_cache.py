@@ -1,0 +1,317 @@
+"""Paged KV cache bookkeeping: the block pool, the prefix cache and per-sequence block tables.
+
+The KV tensor itself is one preallocated pool (``workers.model.allocate_kv_cache``); this module
+only decides which block of it each sequence uses. Modelled on vLLM v1's ``block_pool`` and
+``kv_cache_manager``.
+
+Invariants (tests/test_kv_cache.py checks them):
+
+1. Every block is either free (``ref_cnt == 0``, linked in the free queue) or used
+   (``ref_cnt > 0``, not linked); ``num_free + num_used == num_blocks`` at all times.
+2. A block carries a hash only while ``cached[hash] is block``: one block per hash. Only full
+   blocks are hashed, and a hashed block is never written again (writes go past it).
+3. Free-queue order: unhashed free blocks sit at the front and are reused first; hashed ones
+   follow in LRU order (least recently freed first). A sequence frees its blocks in reverse, so
+   a chain's tail is evicted before its head and a surviving prefix stays reachable.
+4. Eviction is lazy: a hashed free block keeps its hash (and stays a cache hit) until it is
+   popped for reuse; only then is the hash dropped and ``BlockRemoved`` emitted.
+5. Events are buffered in order and drained once per engine step (``take_events``).
+6. A block shared by several sequences (``ref_cnt > 1``) is copied before one of them writes
+   into it (copy-on-write); the copy pairs are drained by the runner before the forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+@dataclass(eq=False, slots=True)
+class Block:
+    """One KV block: ``block_size`` token slots of every layer's K and V."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+    prev: Block | None = field(default=None, repr=False)
+    next: Block | None = field(default=None, repr=False)
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks: O(1) push, pop and unlink from the middle.
+
+    A ``deque.remove`` here would be O(n) per cache hit (nano-vllm's weak spot).
+    """
+
+    def __init__(self, blocks: Iterable[Block]) -> None:
+        self._head = Block(-1)  # sentinels: never handed out
+        self._tail = Block(-1)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self.num_free = 0
+        for block in blocks:
+            self.push_back(block)
+
+    def _link(self, block: Block, before: Block) -> None:
+        after_prev = before.prev
+        assert after_prev is not None
+        block.prev, block.next = after_prev, before
+        after_prev.next = block
+        before.prev = block
+        self.num_free += 1
+
+    def push_back(self, block: Block) -> None:
+        self._link(block, self._tail)
+
+    def push_front(self, block: Block) -> None:
+        assert self._head.next is not None
+        self._link(block, self._head.next)
+
+    def remove(self, block: Block) -> None:
+        prev, nxt = block.prev, block.next
+        assert prev is not None and nxt is not None, "block is not in the free queue"
+        prev.next, nxt.prev = nxt, prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def pop_front(self) -> Block:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise RuntimeError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def __iter__(self):
+        block = self._head.next
+        while block is not None and block is not self._tail:
+            yield block
+            block = block.next
+
+
+class BlockPool:
+    """All blocks, the free queue, the hash→block map and the event buffer."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free = FreeBlockQueue(self.blocks)
+        self.cached: dict[bytes, Block] = {}
+        self.events: list[KVEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        return self.free.num_free
+
+    def get_cached(self, block_hash: bytes) -> Block | None:
+        return self.cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[Block]:
+        """Pop ``n`` free blocks (ref 1 each), evicting the hashes of reused cached blocks."""
+        if n > self.free.num_free:
+            raise RuntimeError(f"asked for {n} KV blocks, {self.free.num_free} free")
+        out: list[Block] = []
+        evicted: list[bytes] = []
+        for _ in range(n):
+            block = self.free.pop_front()
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                evicted.append(block.block_hash)
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block)
+        if evicted:
+            self.events.append(BlockRemoved(tuple(evicted)))
+        return out
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take one more reference; a free (cached) block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free.remove(block)
+            block.ref_cnt += 1
+
+    def release(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference each, in the given order (callers pass tail first)."""
+        for block in blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"block {block.block_id} freed twice"
+            if block.ref_cnt == 0:
+                if block.block_hash is None:
+                    self.free.push_front(block)
+                else:
+                    self.free.push_back(block)
+
+    def cache(self, blocks: Sequence[Block], hashes: Sequence[bytes], parent: bytes | None) -> None:
+        """Register full blocks under their chain hashes; emit ``BlockStored`` per run.
+
+        A hash already held by another block is left to that block (one block per hash); the
+        duplicate stays unhashed and is reused first once freed.
+        """
+        run: list[bytes] = []
+        run_parent = parent
+        for block, block_hash in zip(blocks, hashes, strict=True):
+            if block_hash in self.cached or block.block_hash is not None:
+                if run:
+                    self.events.append(BlockStored(tuple(run), run_parent))
+                    run = []
+                run_parent = block_hash
+                continue
+            block.block_hash = block_hash
+            self.cached[block_hash] = block
+            run.append(block_hash)
+        if run:
+            self.events.append(BlockStored(tuple(run), run_parent))
+
+    def reset(self) -> None:
+        """Forget every hash (used blocks keep their data but are no longer shareable)."""
+        for block in self.cached.values():
+            block.block_hash = None
+        self.cached.clear()
+        self.events.append(AllBlocksCleared())
+
+    def take_events(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-sequence block tables on top of a :class:`BlockPool`, with prefix reuse and CoW.
+
+    Sequences are named by a string id. A sequence's ``hashes`` (from its own
+    ``router.blocks.BlockHasher``) cover its full blocks; the manager only reads them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks)
+        self.tables: dict[str, list[Block]] = {}
+        self._num_cached: dict[str, int] = {}  # leading blocks of the table already registered
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_copies = 0  # copy-on-write block copies so far
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def computed_blocks(self, hashes: Sequence[bytes], num_tokens: int) -> list[Block]:
+        """The longest cached chain for a sequence of ``num_tokens`` tokens.
+
+        Capped below the last token: its logits are needed, so it must be recomputed.
+        """
+        if not self.enable_caching:
+            return []
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
+        hits: list[Block] = []
+        for block_hash in hashes[:limit]:
+            block = self.pool.cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self,
+        seq_id: str,
+        num_computed: int,
+        num_new_tokens: int,
+        hashes: Sequence[bytes],
+        computed: Sequence[Block] = (),
+    ) -> bool:
+        """Make room to write ``num_new_tokens`` after ``num_computed``; False if it cannot.
+
+        ``computed`` (first admission only) are prefix-cache hits to share; ``num_computed``
+        already counts their tokens. Full blocks whose tokens are written by this step are
+        registered now (schedule time), so identical prompts admitted in the same step share
+        blocks: the model writes every new K/V of a layer before any attention reads it.
+        """
+        table = self.tables.get(seq_id)
+        if table is None:
+            table = self.tables[seq_id] = []
+            self._num_cached[seq_id] = len(computed)
+        bs = self.block_size
+        num_tokens_after = num_computed + num_new_tokens
+        num_new = cdiv(num_tokens_after, bs) - len(table) - len(computed)
+        # copy-on-write: the first block written may be a partial block shared with a fork
+        first = num_computed // bs
+        cow = int(first < len(table) and table[first].ref_cnt > 1)
+        revived = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new + cow > self.pool.num_free - revived:
+            if not table:
+                del self.tables[seq_id], self._num_cached[seq_id]
+            return False
+        if computed:
+            self.pool.touch(computed)
+            table.extend(computed)
+        if cow:
+            old = table[first]
+            assert old.block_hash is None, "a cached block is immutable"
+            (new,) = self.pool.allocate(1)
+            self.pending_copies.append((old.block_id, new.block_id))
+            self.num_copies += 1
+            table[first] = new
+            self.pool.release([old])
+        if num_new > 0:
+            table.extend(self.pool.allocate(num_new))
+        if self.enable_caching:
+            self._register(seq_id, table, num_tokens_after, hashes)
+        return True
+
+    def _register(
+        self, seq_id: str, table: list[Block], num_tokens_after: int, hashes: Sequence[bytes]
+    ) -> None:
+        start = self._num_cached[seq_id]
+        end = min(num_tokens_after // self.block_size, len(hashes), len(table))
+        if end > start:
+            parent = hashes[start - 1] if start > 0 else None
+            self.pool.cache(table[start:end], hashes[start:end], parent)
+            self._num_cached[seq_id] = end
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Share every block of ``parent_id`` (the partial last one too) with a new sequence."""
+        table = self.tables[parent_id]
+        self.pool.touch(table)
+        self.tables[child_id] = list(table)
+        self._num_cached[child_id] = self._num_cached[parent_id]
+
+    def free(self, seq_id: str) -> None:
+        """Release a sequence's blocks, tail first (so chain tails are evicted first)."""
+        table = self.tables.pop(seq_id, None)
+        self._num_cached.pop(seq_id, None)
+        if table:
+            self.pool.release(reversed(table))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def take_events(self) -> list[KVEvent]:
+        return self.pool.take_events()
+
+    def cached_hashes(self) -> list[bytes]:
+        return list(self.pool.cached)
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset()
+        for seq_id, table in self.tables.items():
+            # registered blocks lost their hash; never re-register them under this sequence
+            self._num_cached[seq_id] = max(self._num_cached[seq_id], len(table))

@@ -1,0 +1,181 @@
+"""Sampling parameters and the batched sampler.
+
+Order of operations (as in HF and vLLM): temperature, then top-k, then top-p, then a draw.
+Reported logprobs are those of the raw model distribution (log_softmax of the unmodified
+logits), as vLLM reports them by default, so they do not depend on temperature or truncation.
+A request with a `seed` draws from its own `torch.Generator` (see `make_generator`), so its
+tokens do not depend on what else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from workers.errors import InvalidRequestError
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 => off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # (list accepted)
+    n: int = 1
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs per generated token; None => off
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+
+        def fail(name: str, rule: str) -> None:
+            raise InvalidRequestError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "must be an integer >= 1")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            fail("temperature", "must be a finite number >= 0")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            fail("top_p", "must be in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "must be an integer >= 0 (0 disables it)")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "must be an integer or None")
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            fail("n", f"must be an integer in [1, {MAX_N}]")
+        if self.logprobs is not None and (
+            not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            fail("logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        stops = self.stop_token_ids
+        if not isinstance(stops, tuple) or not all(is_int(s) and s >= 0 for s in stops):
+            fail("stop_token_ids", "must be non-negative integers")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
+
+
+def make_generator(
+    params: SamplingParams, index: int = 0, device: str | torch.device = "cpu"
+) -> torch.Generator | None:
+    """The private RNG of sample `index` of a seeded request (None when unseeded).
+
+    Seeded from seed + index so the n samples of one request differ but each is reproducible.
+    """
+    if params.seed is None:
+        return None
+    gen = torch.Generator(device=device)
+    gen.manual_seed(params.seed + index)
+    return gen
+
+
+class Sampler:
+    """Picks one token per row; vectorised over rows, except the seeded draws."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """logits [B, V] float32 -> (token ids [B], per-row TokenLogprob or None)."""
+        logits = logits.float()
+        rows, _ = logits.shape
+        generators = generators or [None] * rows
+        tokens = logits.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            chosen = self._draw(
+                logits.index_select(0, idx),
+                [params[i] for i in sampled],
+                [generators[i] for i in sampled],
+            )
+            tokens = tokens.index_copy(0, idx, chosen)
+        ids = tokens.tolist()
+        return ids, self._logprobs(logits, tokens, ids, params)
+
+    def _draw(
+        self, logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        device = logits.device
+        temp = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temp[:, None]
+        if any(p.top_k > 0 or p.top_p < 1 for p in params):
+            logits = _truncate(logits, params)
+        probs = logits.softmax(dim=-1)
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p, and lets each seeded
+        # row take its noise from its own generator while unseeded rows share one call.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(gens) if g is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(
+                len(unseeded), probs.shape[1], device=device
+            ).exponential_()
+        for i, g in enumerate(gens):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        # A zero draw would turn a masked token's 0/0 into NaN, which argmax would pick.
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)
+
+    def _logprobs(
+        self, logits: torch.Tensor, tokens: torch.Tensor, ids: list[int], params
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(params)
+        if not wanted:
+            return out
+        idx = torch.tensor(wanted, device=logits.device)
+        lp = logits.index_select(0, idx).log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, idx)[:, None])[:, 0].tolist()
+        k = max(params[i].logprobs for i in wanted)
+        top_v, top_i = lp.topk(k, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(wanted):
+            n = params[i].logprobs
+            out[i] = TokenLogprob(
+                ids[i], chosen[j], list(zip(top_i[j][:n], top_v[j][:n], strict=True))
+            )
+        return out
+
+
+def _truncate(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and top-p sets."""
+    vocab = logits.shape[1]
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=device)
+    kth = sorted_logits.gather(1, (k - 1)[:, None])
+    drop_sorted = sorted_logits < kth  # top-k
+    top_p = torch.tensor([p.top_p for p in params], device=device)
+    probs = sorted_logits.masked_fill(drop_sorted, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass of strictly better tokens
+    drop_sorted |= before >= top_p[:, None]
+    drop_sorted[:, 0] = False  # always keep the best token
+    drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))

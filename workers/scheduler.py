@@ -1,0 +1,183 @@
+"""Continuous batching: which sequences run in the next forward pass, and how many tokens each.
+
+Every step mixes decode tokens of running sequences with (chunked) prefill tokens of new ones in
+one batch, bounded by ``max_num_batched_tokens`` and ``max_num_seqs`` (the vLLM v1 scheduler
+shape). Running sequences go first, oldest first; when the pool runs dry the newest running
+sequence is preempted by recompute: its blocks are released (hashed ones stay in the LRU list
+as cache hits) and it rejoins the front of the queue, its generated tokens now part of its
+prompt. Work per step is O(scheduled sequences); nothing is re-hashed on a retry.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.blocks import BlockHasher
+from workers.kv_cache import KVCacheManager
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One sample of a request: its tokens, progress and block hashes (hashed once, as it grows)."""
+
+    seq_id: str
+    request_id: str
+    index: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: Any  # workers.sampling.SamplingParams
+    hasher: BlockHasher
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens hit at first admission; -1 before it
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    forked: bool = False  # the n-1 siblings of an n > 1 request have been created
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-private per-sample state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def hashes(self) -> list[bytes]:
+        return self.hasher.hashes
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.hasher.append((token_id,))
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per scheduled sequence, same order
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+    too_long: list[Sequence] = field(default_factory=list)  # cannot grow in the whole pool
+
+    @property
+    def empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prompt_tokens_queried = 0
+        self.prompt_tokens_hit = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def queued_prefill_tokens(self) -> int:
+        """Tokens still to prefill: waiting prompts plus unfinished chunks of running ones."""
+        total = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        for s in self.running:
+            left = s.num_tokens - s.num_computed_tokens
+            if left > 1:
+                total += left
+        return total
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput([], [])
+        budget = self.max_num_batched_tokens
+        kv = self.kv
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n, seq.hashes):
+                if len(self.running) == 1:
+                    # alone and still no room: the pool cannot hold this sequence
+                    self.running.pop()
+                    out.too_long.append(seq)
+                    break
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self._take(out, seq, n)
+                budget -= n
+                i += 1
+                continue
+            break
+        if out.preempted or out.too_long:
+            return out
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            fanout = 1 if seq.forked else seq.params.n
+            if len(self.running) + fanout > self.max_num_seqs and self.running:
+                break
+            hits = kv.computed_blocks(seq.hashes, seq.num_tokens)
+            num_computed = len(hits) * kv.block_size
+            n = min(seq.num_tokens - num_computed, budget)
+            if not kv.allocate_slots(seq.seq_id, num_computed, n, seq.hashes, hits):
+                break
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_computed
+            seq.status = SeqStatus.RUNNING
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = num_computed
+                self.prompt_tokens_queried += seq.num_prompt_tokens
+                self.prompt_tokens_hit += num_computed
+            self.running.append(seq)
+            self._take(out, seq, n)
+            budget -= n
+        return out
+
+    @staticmethod
+    def _take(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.seqs.append(seq)
+        out.num_new_tokens.append(n)
+        if seq.num_computed_tokens + n == seq.num_tokens and n == 1 and seq.num_output_tokens:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Retire a running or waiting sequence and release its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.seq_id)
+
+    def remove_finished(self, done: set[Sequence]) -> None:
+        """Drop many finished running sequences in one O(running) pass."""
+        if done:
+            self.running = [s for s in self.running if s not in done]
