@@ -41,6 +41,7 @@ def build_app(config: ClusterConfig) -> Application:
         num_cpus=config.worker_cpus,
         num_gpus=config.gpus_per_worker,
         max_ongoing_requests=config.max_ongoing_requests,
+        ray_actor_options={"resources": dict(config.worker_resources)},
         prefix_routing=prefix,
         router_kwargs={
             "redis_url": config.redis_url,

@@ -7,6 +7,7 @@ is lax about types (Serve passes builder arguments as strings) and strict about 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +47,9 @@ class ClusterConfig(BaseModel):
         None, gt=0.0, description="CPUs Ray reserves per worker; default 0.5 on CPU, 1 on GPU")
     max_workers_per_node: int | None = Field(
         None, ge=1, description="At most this many workers on one Ray node (spreads replicas)")
+    worker_resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources each worker needs (pins workers "
+        "to labelled nodes, e.g. {\"a100_80g\": 1})")
     max_ongoing_requests: int = Field(
         128, ge=1, description="Requests Serve sends one worker at once (it queues the rest)")
 
@@ -93,6 +97,17 @@ class ClusterConfig(BaseModel):
         if not (path / "tokenizer.json").is_file():
             raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
         return str(path.resolve())
+
+    @field_validator("worker_resources", mode="before")
+    @classmethod
+    def _parse_resources(cls, value: Any) -> Any:
+        """CLI flags and Serve builder args arrive as strings: accept a JSON object."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise ValueError('must be a JSON object of resource amounts, e.g. {"gpu": 1}') from None
 
     @field_validator("redis_url")
     @classmethod
@@ -165,7 +180,8 @@ def config_table() -> str:
     """The README's configuration table (markdown), from the field descriptions."""
     rows = ["| field | CLI flag | default | meaning |", "|---|---|---|---|"]
     for name, info in ClusterConfig.model_fields.items():
-        default = "env / unset" if info.default_factory else info.default
+        from_env = info.default_factory is _redis_url_from_env
+        default = "env / unset" if from_env else info.get_default(call_default_factory=True)
         flag = "--" + name.replace("_", "-")
         rows.append(f"| `{name}` | `{flag}` | `{default}` | {info.description} |")
     return "\n".join(rows)

@@ -21,6 +21,7 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
+from cluster.api import WORKER_HEADER
 from cluster.app import app_builder
 from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
@@ -116,7 +117,7 @@ def test_dockerfile_is_non_root_and_installs_the_package() -> None:
 
 
 def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
-    """The serve config on a CPU-only machine: built-in model, 1 worker, fractional CPUs."""
+    """The serve config on a CPU-only machine: built-in model, 2 workers, fractional CPUs."""
     config = copy.deepcopy(load(SERVE_CONFIG))
     config["http_options"] = {"host": "127.0.0.1", "port": port}
     config["proxy_location"] = "HeadOnly"
@@ -129,7 +130,7 @@ def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
     deployments = {d["name"]: d for d in app["deployments"]}
     workers = deployments["LLMWorker"]
     workers["ray_actor_options"] = {"num_cpus": 0.5, "num_gpus": 0}
-    workers["autoscaling_config"].update(min_replicas=1, initial_replicas=1, max_replicas=1)
+    workers["autoscaling_config"].update(min_replicas=2, initial_replicas=2, max_replicas=2)
     workers["request_router_config"]["request_router_kwargs"]["model"] = BUILTIN_MODEL_NAME
     deployments["OpenAIIngress"].update(num_replicas=1, ray_actor_options={"num_cpus": 0.25})
     return config
@@ -174,3 +175,26 @@ def test_serve_config_answers_a_chat_completion(deployed: str) -> None:
     assert out["object"] == "chat.completion"
     assert out["choices"][0]["message"]["role"] == "assistant"
     assert 1 <= out["usage"]["completion_tokens"] <= 4
+
+
+def test_serve_config_routes_by_prefix(deployed: str) -> None:
+    # The YAML's router kwargs carry no Redis URL: the router finds the index through
+    # PREFIXSERVE_REDIS_URL, as it does on KubeRay. Load-only routing would split these pairs.
+    for topic in ["billing", "shipping", "returns", "warranty"]:
+        system = f"You are the {topic} desk of ACME. Answer briefly. " * 6
+        served = []
+        for question in ["Where is my order?", "Can I pay later?"]:
+            body = {
+                "model": BUILTIN_MODEL_NAME,
+                "messages": [{"role": "system", "content": system},
+                             {"role": "user", "content": question}],
+                "max_tokens": 2,
+                "temperature": 0,
+            }
+            r = httpx.post(f"{deployed}/v1/chat/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            served.append((r.headers[WORKER_HEADER],
+                           r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]))
+        (first, _), (second, cached) = served
+        assert second == first
+        assert cached >= 256
