@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from bench.metrics import RequestResult, from_timeline
-from bench.sse import SSEParser, chunk_text, decode
+from bench.sse import StreamReader
 
 WORKER_HEADER = "x-prefixserve-worker"
 
@@ -81,8 +81,7 @@ async def send(http: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt,
     """Send one streaming request and time it; never raises for server or network errors."""
     meta: dict[str, Any] = {"request_id": request_id, "group": prompt.group,
                             "prompt_len": prompt.prompt_len, "start_time": start_time}
-    content_times: list[float] = []
-    usage: dict[str, Any] = {}
+    reader = StreamReader()
     error = ""
     body = build_body(cfg, prompt)
     sent = time.perf_counter()
@@ -93,10 +92,11 @@ async def send(http: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt,
                 body = (await resp.aread()).decode("utf-8", "replace")
                 error = f"HTTP {resp.status_code}: {body[:300]}"
             else:
-                error = await _consume(resp, content_times, usage)
+                error = await _consume(resp, reader)
     except (httpx.HTTPError, OSError, ValueError) as exc:
         error = f"{type(exc).__name__}: {exc}"
     ended = time.perf_counter()
+    usage = reader.usage
     if usage.get("prompt_tokens"):
         meta["prompt_len"] = usage["prompt_tokens"]
     meta["cached_tokens"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
@@ -104,28 +104,12 @@ async def send(http: httpx.AsyncClient, cfg: ClientConfig, prompt: Prompt,
     if error:
         return RequestResult(success=False, error=error, output_tokens=output_tokens,
                              latency=ended - sent, **meta)
-    return from_timeline(sent, content_times, output_tokens, **meta)
+    return from_timeline(sent, reader.content_times, output_tokens, **meta)
 
 
-async def _consume(resp: httpx.Response, content_times: list[float],
-                   usage: dict[str, Any]) -> str:
+async def _consume(resp: httpx.Response, reader: StreamReader) -> str:
     """Read the SSE stream, stamping content events; returns an error message or ''."""
-    parser = SSEParser()
     async for chunk in resp.aiter_bytes():
-        now = time.perf_counter()
-        for payload in parser.feed(chunk):
-            event = decode(payload)
-            if event.done:
-                return ""
-            if event.error is not None:
-                return event.error
-            data = event.data or {}
-            if data.get("usage"):
-                usage.update(data["usage"])
-            if chunk_text(data):
-                content_times.append(now)
-    for payload in parser.close():
-        event = decode(payload)
-        if event.error is not None:
-            return event.error
-    return "" if usage or content_times else "stream ended without data"
+        if reader.feed(chunk, time.perf_counter()):
+            return reader.error
+    return reader.finish()

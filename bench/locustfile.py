@@ -23,7 +23,7 @@ except ImportError as exc:                   # locust is optional, not a depende
     raise ImportError("bench/locustfile.py needs locust: pip install locust") from exc
 
 from bench.client import ClientConfig, Prompt, build_body
-from bench.sse import SSEParser, chunk_text, decode
+from bench.sse import StreamReader
 from bench.workloads import RandomPrompts, SharedPrefix, Tokens
 
 _prompts: itertools.cycle | None = None
@@ -67,13 +67,13 @@ class CompletionUser(HttpUser):
         opts = self.environment.parsed_options
         body = build_body(ClientConfig(model=opts.model_name, ignore_eos=True), prompt)
         start = time.perf_counter()
-        times: list[float] = []
-        usage: dict[str, Any] = {}
+        reader = StreamReader()
         with self.client.post("/v1/completions", data=json.dumps(body), stream=True,
                               headers={"Content-Type": "application/json"},
                               name="completion", catch_response=True) as resp:
-            error = _read(resp, times, usage) if resp.status_code == 200 else resp.text[:200]
+            error = _read(resp, reader) if resp.status_code == 200 else resp.text[:200]
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000   # E2E
+            times, usage = reader.content_times, reader.usage
             if error or not times:
                 resp.failure(error or "no content")
                 return
@@ -101,18 +101,8 @@ def _chunks(resp: Any) -> Iterator[bytes]:
         yield chunk
 
 
-def _read(resp: Any, times: list[float], usage: dict[str, Any]) -> str:
-    parser = SSEParser()
+def _read(resp: Any, reader: StreamReader) -> str:
     for chunk in _chunks(resp):
-        now = time.perf_counter()
-        for payload in parser.feed(chunk):
-            event = decode(payload)
-            if event.done:
-                return ""
-            if event.error is not None:
-                return event.error
-            data = event.data or {}
-            usage.update(data.get("usage") or {})
-            if chunk_text(data):
-                times.append(now)
-    return ""
+        if reader.feed(chunk, time.perf_counter()):
+            return reader.error
+    return reader.finish()

@@ -8,7 +8,7 @@ a blank line; its `data:` lines are joined with newlines, as the SSE spec says.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 DONE = "[DONE]"
@@ -109,3 +109,44 @@ def chunk_text(data: dict[str, Any]) -> str:
         parts.append(delta.get("content") or "")
         parts.append(delta.get("reasoning_content") or "")
     return "".join(parts)
+
+
+@dataclass
+class StreamReader:
+    """What a completion stream has said so far, fed network chunks as they arrive.
+
+    The async client and the Locust user share it, so both stamp content events alike.
+    """
+
+    content_times: list[float] = field(default_factory=list)
+    usage: dict[str, Any] = field(default_factory=dict)
+    error: str = ""
+    parser: SSEParser = field(default_factory=SSEParser)
+
+    def feed(self, chunk: bytes, now: float) -> bool:
+        """Absorb one chunk received at `now`; True once the stream ended ([DONE] or error)."""
+        return any(self._absorb(payload, now) for payload in self.parser.feed(chunk))
+
+    def finish(self) -> str:
+        """The error of a stream that closed without [DONE] ('' if it said enough)."""
+        for payload in self.parser.close():
+            event = decode(payload)
+            if event.error is not None:
+                self.error = event.error
+        if not self.error and not (self.usage or self.content_times):
+            self.error = "stream ended without data"
+        return self.error
+
+    def _absorb(self, payload: str, now: float) -> bool:
+        event = decode(payload)
+        if event.done:
+            return True
+        if event.error is not None:
+            self.error = event.error
+            return True
+        data = event.data or {}
+        if data.get("usage"):
+            self.usage.update(data["usage"])
+        if chunk_text(data):
+            self.content_times.append(now)
+        return False
