@@ -14,9 +14,11 @@ import math
 from typing import Any
 
 from bench.cli import make_spec, make_workload, parse_rates, write_outputs
-from bench.launch import local_cluster, shutdown
+from bench.launch import ensure_ray, local_cluster, shutdown
 from bench.report import format_side_by_side
+from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep
+from cluster.local_redis import free_port
 
 POLICIES = ("prefix", "pow2", "round_robin")
 
@@ -39,13 +41,19 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
     options = parse_options(args.cluster_option)
     rates = parse_rates(args)
     workload = make_workload(args)
+    measure = None
+    if getattr(args, "router_metrics", False):
+        port = free_port()
+        ensure_ray(metrics_export_port=port, metrics_report_interval_ms=REPORT_INTERVAL_MS)
+        measure = measurer(port)
     runs: dict[str, list[RunResult]] = {}
     for policy in policies:
         print(f"--- launching the cluster with policy={policy} ({args.num_workers} workers)")
         with local_cluster(port=args.port, model=args.model_path, num_workers=args.num_workers,
                            policy=policy, **options) as cluster:
             spec = make_spec(args, cluster.base_url, args.model or cluster.model)
-            runs[policy] = asyncio.run(run_sweep(spec, workload, rates, label=policy))
+            runs[policy] = asyncio.run(run_sweep(spec, workload, rates, label=policy,
+                                                 measure=measure))
     return runs
 
 

@@ -29,13 +29,21 @@ class Launched:
     config: ClusterConfig
 
 
-def ensure_ray(num_cpus: float | None = None) -> None:
+def ensure_ray(num_cpus: float | None = None, metrics_export_port: int | None = None,
+               metrics_report_interval_ms: int | None = None) -> None:
+    """Start a private local Ray unless one is up. With a metrics port, Ray's metrics agent
+    serves Prometheus text there (bench/router_metrics.py reads the router's histogram)."""
     import ray
 
     if not ray.is_initialized():
+        extra: dict[str, Any] = {}
+        if metrics_export_port is not None:
+            extra["_metrics_export_port"] = metrics_export_port
+        if metrics_report_interval_ms is not None:
+            extra["_system_config"] = {"metrics_report_interval_ms": metrics_report_interval_ms}
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
                  logging_level="warning",
-                 configure_logging=True)
+                 configure_logging=True, **extra)
 
 
 @contextmanager

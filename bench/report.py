@@ -29,6 +29,10 @@ _HEAD = [
     ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
     ("prefix_hit_rate", "Prefix hit rate", "{:.3f}"),
     ("max_concurrent_requests", "Peak concurrent requests", "{:d}"),
+    ("router_latency_samples", "Routing latency samples", "{:d}"),
+    ("mean_router_latency_ms", "Mean routing latency (ms)", "{:.3f}"),
+    ("median_router_latency_ms", "Median routing latency (ms)", "{:.3f}"),
+    ("p99_router_latency_ms", "P99 routing latency (ms)", "{:.3f}"),
 ]
 
 
@@ -78,7 +82,10 @@ def format_side_by_side(runs: Mapping[str, Mapping[str, Any]], baseline: str | N
     header = f"{'metric':<34}" + "".join(f"{n[:14]:>15}" for n in names)
     header += "".join(f"{(n[:7] + '/' + base[:6]):>15}" for n in others)
     lines = [header, "-" * len(header)]
-    for key, label in table_rows(first):
+    present: dict[str, Any] = {}      # a row for every figure any run has
+    for summary in runs.values():
+        present.update({k: v for k, v in summary.items() if v is not None and k not in present})
+    for key, label in table_rows({**first, **present}):
         cells = "".join(f"{_fmt(key, runs[n].get(key)):>15}" for n in names)
         cells += "".join(f"{_ratio(runs[n].get(key), runs[base].get(key)):>15}" for n in others)
         lines.append(f"{label[:33]:<34}{cells}")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -54,8 +54,13 @@ async def run_once(spec: RunSpec, workload: WorkloadFn, label: str = "run") -> R
     return RunResult(label, summary, outcome.results, spec.shape.request_rate)
 
 
+# Called before each point; the coroutine it returns is awaited after the point and gives
+# figures merged into its summary (bench/router_metrics.py: routing latency from Ray).
+Measure = Callable[[], Awaitable[Callable[[], Awaitable[dict[str, Any]]]]]
+
+
 async def run_sweep(spec: RunSpec, workload: WorkloadFn, rates: Sequence[float],
-                    label: str = "run") -> list[RunResult]:
+                    label: str = "run", measure: Measure | None = None) -> list[RunResult]:
     """One run per request rate. Each point draws fresh tokens (seed + i) with the same
     structure, so an earlier point's cached prefixes cannot flatter a later one."""
     out = []
@@ -63,5 +68,9 @@ async def run_sweep(spec: RunSpec, workload: WorkloadFn, rates: Sequence[float],
         shape = replace(spec.shape, request_rate=rate, seed=spec.shape.seed + i)
         point = replace(spec, shape=shape, tokens=replace(spec.tokens, seed=spec.tokens.seed + i))
         name = f"{label}@{'inf' if math.isinf(rate) else f'{rate:g}'}"
-        out.append(await run_once(point, workload, label=name))
+        finish = await measure() if measure is not None else None
+        result = await run_once(point, workload, label=name)
+        if finish is not None:
+            result.summary.update(await finish())
+        out.append(result)
     return out

@@ -19,10 +19,12 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
@@ -31,6 +33,8 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from cluster.errors import ApiError
+from cluster.guard import Guard, GuardSettings, tenant_salt
 from cluster.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -46,7 +50,6 @@ from cluster.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    ErrorResponse,
     ModelCard,
     ModelList,
     TopLogprob,
@@ -62,20 +65,34 @@ from workers.errors import InvalidRequestError
 logger = logging.getLogger("ray.serve")
 
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
+app.add_middleware(Guard)
 WORKER_HEADER = "x-prefixserve-worker"
+CAPACITY_TIMEOUT_S = 10.0
 
 
-class ApiError(Exception):
-    """An error with its HTTP status, rendered in OpenAI's envelope."""
+def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body of a route that parses its own body (strict errors, 413 limit):
+    the schema clients and the fuzz tests (schemathesis) generate requests from."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True,
+                            "content": {"application/json": {"schema": schema}}},
+            "x-defs": defs}
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = ErrorResponse.of(message, type_, param, code)
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status)
+def _openapi(api: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, with the request models' nested definitions under components."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path in schema["paths"].values():
+            for op in path.values():
+                components.update(op.pop("x-defs", {}))
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
 
 
 def to_api_error(exc: BaseException) -> ApiError:
@@ -305,9 +322,13 @@ class OpenAIIngress:
     """OpenAI API over the LLMWorker deployment (plain, serialisable constructor args)."""
 
     def __init__(self, workers: DeploymentHandle, model_path: str, model_name: str,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, guard: GuardSettings | None = None,
+                 salt_secret: bytes = b"") -> None:
         from workers.loader import load_model_config
 
+        Guard.configure(guard or GuardSettings())
+        self.salt_secret = salt_secret
+        self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
         self.tokenizer = Tokenizer(model_path)
         model = load_model_config(model_path)
@@ -331,25 +352,29 @@ class OpenAIIngress:
         self._check_model(model_id)
         return self._card().model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         req: CompletionRequest = parse_body(CompletionRequest, await request.body())
         self._check_model(req.model)
+        self._check_stop_ids(req.stop_token_ids)
         prompts = [self._prompt_ids(p) for p in req.prompts()]
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
+            await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_fields() | {"max_tokens": max_tokens, "logprobs": req.logprobs}
-        gen = self._generation("cmpl", prompts, sampling, req.stop_strings, req.cache_salt)
+        gen = self._generation("cmpl", prompts, sampling, req.stop_strings,
+                               self._salt(request, req.cache_salt))
         if req.stream:
             return await self._stream(gen, self._completion_chunks(gen, req))
         body = (await self._completion(gen, req)).model_dump()
         return JSONResponse(body, headers=gen.headers())
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
+        self._check_stop_ids(req.stop_token_ids)
         messages = [
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
@@ -362,9 +387,11 @@ class OpenAIIngress:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
         self._check_context(len(ids), max_tokens, "messages")
+        await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_fields() | {"max_tokens": max_tokens,
                                             "logprobs": req.num_logprobs}
-        gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, req.cache_salt)
+        gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings,
+                               self._salt(request, req.cache_salt))
         if req.stream:
             return await self._stream(gen, self._chat_chunks(gen, req))
         body = (await self._chat(gen, req)).model_dump()
@@ -393,6 +420,12 @@ class OpenAIIngress:
                            f"[0, {self.vocab_size})", param="prompt")
         return prompt
 
+    def _check_stop_ids(self, ids: list[int] | None) -> None:
+        bad = [t for t in ids or [] if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"stop token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="stop_token_ids")
+
     def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
         if prompt_len + max_tokens > self.max_model_len:
             raise ApiError(
@@ -403,6 +436,26 @@ class OpenAIIngress:
                 "the completion.",
                 param=param, code="context_length_exceeded",
             )
+
+    async def _check_capacity(self, prompt_len: int, param: str) -> None:
+        """Refuse at once a prompt no worker's KV pool can ever hold (the engine would too,
+        after a round trip). The capacity comes from one worker's stats, asked once."""
+        if self.kv_capacity is None:
+            try:
+                stats = await asyncio.wait_for(self.workers.stats.remote(), CAPACITY_TIMEOUT_S)
+            except Exception:  # no worker answers yet: the engine still checks
+                logger.warning("could not read the workers' KV capacity", exc_info=True)
+                return
+            self.kv_capacity = stats["num_total_blocks"] * stats["block_size"]
+        if prompt_len + 1 > self.kv_capacity:  # the engine needs a slot for the first token
+            raise ApiError(400, f"The {param} has {prompt_len} tokens; a worker's KV cache holds "
+                           f"{self.kv_capacity} tokens including the first generated one.",
+                           param=param, code="kv_capacity_exceeded")
+
+    def _salt(self, request: Request, client_salt: str | None) -> str | None:
+        """The request's cache namespace: the tenant's, when API keys are on."""
+        return tenant_salt(self.salt_secret, getattr(request.state, "tenant", None),
+                           client_salt)
 
     def _generation(self, kind: str, prompts: list[list[int]], sampling: dict[str, Any],
                     stops: list[str], cache_salt: str | None) -> Generation:

@@ -18,6 +18,7 @@ sets them from `host` / `port`.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ray.serve import Application
@@ -25,6 +26,7 @@ from ray.serve.config import RequestRouterConfig
 
 from cluster.api import OpenAIIngress
 from cluster.config import ClusterConfig
+from cluster.guard import GuardSettings, key_digest
 from workers.deployment import worker_deployment
 from workers.engine import checkpoint_fingerprint
 
@@ -52,6 +54,7 @@ def build_app(config: ClusterConfig) -> Application:
             "predict_ttl_s": config.predict_ttl_s,
         },
     )
+    workers = workers.options(graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s)
     if config.max_workers_per_node is not None:
         workers = workers.options(max_replicas_per_node=config.max_workers_per_node)
     if config.policy == "round_robin":
@@ -70,8 +73,23 @@ def build_app(config: ClusterConfig) -> Application:
         num_replicas=config.ingress_replicas,
         ray_actor_options={"num_cpus": config.cpus_per_ingress},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
+        graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
     )
-    return ingress.bind(worker_app, model_path, model_name, config.max_model_len)
+    # A fresh secret per deploy keys the tenants' cache namespaces: nothing in the index can be
+    # recomputed from a guessed prompt (a redeploy starts every tenant's cache cold).
+    return ingress.bind(worker_app, model_path, model_name, config.max_model_len,
+                        guard_settings(config), os.urandom(32))
+
+
+def guard_settings(config: ClusterConfig) -> GuardSettings:
+    """What the ingress admits. Only digests of the API keys leave the config. Past
+    ingress_max_ongoing_requests Serve's proxy would queue without bound, so the in-flight
+    cap is at most that."""
+    return GuardSettings(
+        key_tenants={key_digest(key): tenant for key, tenant in config.api_keys.items()},
+        max_in_flight=min(config.max_queued_requests, config.ingress_max_ongoing_requests),
+        max_request_bytes=config.max_request_bytes,
+    )
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from router.index import REDIS_URL_ENV
 
+API_KEYS_ENV = "PREFIXSERVE_API_KEYS"  # JSON object key -> tenant, or a path to such a file
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 Policy = Literal["prefix", "pow2", "round_robin"]
 
@@ -24,8 +25,25 @@ def _redis_url_from_env() -> str | None:
     return os.environ.get(REDIS_URL_ENV) or None
 
 
+def _api_keys_from_env() -> Any:
+    return os.environ.get(API_KEYS_ENV) or {}
+
+
+def _load_api_keys(value: Any) -> Any:
+    """A JSON object, or a path to a file holding one (keeps keys off the command line)."""
+    if not isinstance(value, str):
+        return value
+    inline = value.lstrip()[:1] in ("{", "[")
+    text = value if inline else Path(value).expanduser().read_text()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError("must be a JSON object of API key -> tenant") from None
+
+
 class ClusterConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Inputs stay out of error messages: api_keys holds secrets.
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     # --- model -----------------------------------------------------------------------------
     model: str | None = Field(
@@ -83,6 +101,20 @@ class ClusterConfig(BaseModel):
     cpus_per_ingress: float = Field(0.25, gt=0.0, description="CPUs Ray reserves per ingress")
     ingress_max_ongoing_requests: int = Field(
         1024, ge=1, description="Concurrent HTTP requests one ingress replica accepts")
+    max_queued_requests: int = Field(
+        512, ge=1, description="Generation requests one ingress replica holds at once (running "
+        "or waiting for a worker); past it: 429 with Retry-After. At most "
+        "ingress_max_ongoing_requests")
+    max_request_bytes: int = Field(
+        4 * 2**20, ge=1024, description="Largest request body; larger ones get 413")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0.0, description="How long a stopping ingress or worker replica lets "
+        "in-flight requests (streams included) finish")
+    api_keys: dict[str, str] = Field(
+        default_factory=_api_keys_from_env, validate_default=True, repr=False,
+        description=f"API key -> tenant, as a JSON object or a JSON file's path; env "
+        f"{API_KEYS_ENV}. When set, requests need `Authorization: Bearer <key>` (401 else; "
+        "/health stays open) and each tenant gets its own prefix-cache namespace")
     host: str = Field("127.0.0.1", min_length=1, description="HTTP listen address")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port")
 
@@ -108,6 +140,21 @@ class ClusterConfig(BaseModel):
             return json.loads(value)
         except json.JSONDecodeError:
             raise ValueError('must be a JSON object of resource amounts, e.g. {"gpu": 1}') from None
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _parse_api_keys(cls, value: Any) -> Any:
+        try:
+            return _load_api_keys(value)
+        except OSError as exc:
+            raise ValueError(f"cannot read the API key file: {exc.strerror}") from None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _check_api_keys(cls, value: dict[str, str]) -> dict[str, str]:
+        if any(not key or key != key.strip() or not tenant for key, tenant in value.items()):
+            raise ValueError("API keys (no surrounding spaces) and tenants must not be empty")
+        return value
 
     @field_validator("redis_url")
     @classmethod
@@ -180,8 +227,14 @@ def config_table() -> str:
     """The README's configuration table (markdown), from the field descriptions."""
     rows = ["| field | CLI flag | default | meaning |", "|---|---|---|---|"]
     for name, info in ClusterConfig.model_fields.items():
-        from_env = info.default_factory is _redis_url_from_env
-        default = "env / unset" if from_env else info.get_default(call_default_factory=True)
+        if info.default_factory in (_redis_url_from_env, _api_keys_from_env):
+            default = "env"
+        else:
+            value = info.get_default(call_default_factory=True)
+            shown = value if isinstance(value, str) else json.dumps(value)
+            default = "" if value is None else f"`{shown}`"
         flag = "--" + name.replace("_", "-")
-        rows.append(f"| `{name}` | `{flag}` | `{default}` | {info.description} |")
+        if info.annotation is bool:
+            flag = "--[no-]" + name.replace("_", "-")
+        rows.append(f"| `{name}` | `{flag}` | {default} | {info.description} |")
     return "\n".join(rows)

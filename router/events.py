@@ -8,6 +8,7 @@ fence stale incarnations and detect lost batches. The wire format is a msgpack m
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -167,7 +168,8 @@ def decode_load(payload: bytes) -> WorkerLoad:
     values: dict[str, Any] = {}
     for name, kind in _LOAD_FIELDS.items():
         value = obj.get(name, 0)
-        if not isinstance(value, int | float) or isinstance(value, bool) or value < 0:
-            raise EventDecodeError(f"load field {name!r} must be a non-negative number")
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not 0 <= value < math.inf):  # NaN and inf too: the policy divides by them
+            raise EventDecodeError(f"load field {name!r} must be a finite non-negative number")
         values[name] = int(value) if kind == "int" else float(value)
     return WorkerLoad(**values)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import hashlib
+import logging
 import re
 import struct
 from collections.abc import Awaitable, Iterable, Sequence
@@ -49,6 +50,7 @@ from router.events import (
 )
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 REDIS_URL_ENV = "PREFIXSERVE_REDIS_URL"  # where routers and workers find the index by default
 
@@ -200,6 +202,7 @@ class PrefixIndex:
         self._rv: bytes | None = None
         self._lv = b""
         self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
+        self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -265,11 +268,17 @@ class PrefixIndex:
         rv, flat = await self._call(self._run("LIVE", keys, [self._prefix]))
         workers = []
         for i in range(0, len(flat), 2):
-            rid, epoch, bs, fp, node = flat[i + 1]
-            if rid is None:
-                continue
-            workers.append(WorkerInfo(int(flat[i]), rid.decode(), int(epoch), int(bs),
-                                      fp.decode(), node.decode()))
+            try:
+                rid, epoch, bs, fp, node = flat[i + 1]
+                if rid is None:  # no record (gone, or not a hash): not a worker
+                    continue
+                workers.append(WorkerInfo(int(flat[i]), rid.decode(), int(epoch), int(bs),
+                                          fp.decode(), (node or b"").decode()))
+            except (TypeError, ValueError, AttributeError) as exc:  # junk in the record
+                if flat[i] not in self._corrupt:
+                    self._corrupt.add(flat[i])
+                    log.warning("prefix index %s: corrupt record of worker %r skipped (%r)",
+                                self.tag, flat[i], exc)
         self._workers = {w.worker_id: w for w in workers}
         self._rv = rv
         return workers
@@ -350,7 +359,10 @@ class PrefixIndex:
             return
         try:
             load = decode_load(raw)
-        except EventDecodeError:
+        except EventDecodeError as exc:
+            if cached is None or cached[1] is not None:
+                log.warning("prefix index %s: bad load record of worker %d ignored (%s)",
+                            self.tag, worker_id, exc)
             load = None
         self._loads[worker_id] = (raw, load)
 

@@ -71,6 +71,7 @@ local function add_blocks(bkey, code, blob)
     local kv = {}
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
+      if v and #v % 2 == 1 then v = nil end  -- junk, not 2-byte ids: overwrite it
       if not seen[d] and not (v and has(v, code)) then
         seen[d] = true
         kv[#kv + 1] = d
@@ -90,7 +91,10 @@ local function remove_blocks(bkey, code, blob)
     local kv, dels = {}, {}
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
-      if v and not seen[d] and has(v, code) then
+      if v and #v % 2 == 1 and not seen[d] then  -- junk, not 2-byte ids: drop the field
+        seen[d] = true
+        dels[#dels + 1] = d
+      elseif v and not seen[d] and has(v, code) then
         seen[d] = true
         removed = removed + 1
         if v == code then
@@ -126,9 +130,10 @@ end
 # Returns 0 when the worker hash is usable for this epoch, -1 stale epoch, -2 not registered.
 _EPOCH_OK = """
 local function epoch_state(w, epoch)
-  local st = redis.call('HMGET', w, 'epoch', 'gc')
-  if not st[1] or st[2] then return -2 end
+  local st = redis.pcall('HMGET', w, 'epoch', 'gc')
+  if st.err or not st[1] or st[2] then return -2 end
   local ep = tonumber(st[1])
+  if not ep then return -2 end  -- junk epoch: register again
   if ep > epoch then return -1 end
   if ep < epoch then return -2 end
   return 0
@@ -145,11 +150,28 @@ if owner and owner ~= ARGV[8] then return {-2, 0} end
 if not owner then redis.call('SET', KEYS[5], ARGV[8]) end
 local expiry = now + tonumber(ARGV[7])
 local id = redis.call('HGET', KEYS[2], rid)
+local nid = tonumber(id)
+if id and not (nid and nid == math.floor(nid) and nid >= 1 and nid <= 65535
+               and redis.call('SISMEMBER', KEYS[1], id) == 1) then
+  redis.log(redis.LOG_WARNING, 'prefix index: junk id for ' .. rid .. ' dropped')
+  redis.call('HDEL', KEYS[2], rid)
+  id = nil
+end
 if id then
   local w = pfx .. 'w:' .. id
-  local old = tonumber(redis.call('HGET', w, 'epoch'))
-  if old > epoch then return {-1, old} end
-  if old < epoch then
+  local old = redis.pcall('HGET', w, 'epoch')
+  if type(old) == 'table' then  -- the record is not a hash: rebuild it
+    redis.call('DEL', w)
+    old = nil
+  end
+  old = tonumber(old)
+  if old and old > epoch then return {-1, old} end
+  if not old then  -- junk or missing record: rebuild it; the resync fixes its entries
+    redis.log(redis.LOG_WARNING, 'prefix index: worker record ' .. w .. ' rebuilt')
+    redis.call('HDEL', w, 'gc', 'gcpos')
+    redis.call('HSET', w, 'rid', rid, 'n', math.floor(redis.call('STRLEN', pfx .. 'r:' .. id) / 16))
+  end
+  if not old or old < epoch then
     redis.call('HSET', w, 'epoch', ARGV[3], 'bs', ARGV[4], 'fp', ARGV[5], 'node', ARGV[6],
                'seq', -1)
     redis.call('INCR', KEYS[4])
@@ -174,8 +196,8 @@ return {i, 1}
 # KEYS: w, live, load, lv   ARGV: 2-byte id, epoch, ttl_ms, load_payload
 # -> 1 ok | 0 re-register
 HEARTBEAT = _NOW + """
-local st = redis.call('HMGET', KEYS[1], 'epoch', 'gc')
-if not st[1] or st[2] or tonumber(st[1]) ~= tonumber(ARGV[2]) then return 0 end
+local st = redis.pcall('HMGET', KEYS[1], 'epoch', 'gc')
+if st.err or not st[1] or st[2] or tonumber(st[1]) ~= tonumber(ARGV[2]) then return 0 end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[1])
 redis.call('HSET', KEYS[3], ARGV[1], ARGV[4])
 redis.call('INCR', KEYS[4])
@@ -186,12 +208,12 @@ return 1
 # ops: records of  op(1 byte: S stored, R removed, C cleared) | u32 BE count | count x 16 bytes
 # -> 0 applied (or duplicate seq), 1 stale epoch, 2 resync needed
 APPLY = _BLOCKS + """
-local st = redis.call('HMGET', KEYS[1], 'epoch', 'seq', 'gc', 'n')
-if not st[1] or st[3] then return 2 end
+local st = redis.pcall('HMGET', KEYS[1], 'epoch', 'seq', 'gc', 'n')
+if st.err or not st[1] or st[3] or not tonumber(st[1]) then return 2 end
 local ep, epoch = tonumber(st[1]), tonumber(ARGV[3])
 if ep > epoch then return 1 end
 if ep < epoch then return 2 end
-local last, seq = tonumber(st[2]), tonumber(ARGV[4])
+local last, seq = tonumber(st[2]) or -1, tonumber(ARGV[4])
 if last < 0 then return 2 end
 if seq <= last then return 0 end
 if seq ~= last + 1 then
@@ -269,7 +291,24 @@ else
   ids = redis.call('SMEMBERS', KEYS[1])
 end
 local out = {}
+if ARGV[2] == '' then
+  for _, c in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+    if #c ~= 2 or redis.call('SISMEMBER', KEYS[1], tostring(struct.unpack('>H', c))) == 0 then
+      redis.call('ZREM', KEYS[2], c)
+    end
+  end
+end
+local valid = {}
 for _, id in ipairs(ids) do
+  local nid = tonumber(id)
+  if nid and nid == math.floor(nid) and nid >= 1 and nid <= 65535 and tostring(nid) == id then
+    valid[#valid + 1] = id
+  else
+    redis.log(redis.LOG_WARNING, 'prefix index: junk registry member dropped')
+    redis.call('SREM', KEYS[1], id)
+  end
+end
+for _, id in ipairs(valid) do
   local code = struct.pack('>H', tonumber(id))
   local dead = ARGV[2] ~= ''
   if not dead then
@@ -278,7 +317,12 @@ for _, id in ipairs(ids) do
   end
   if dead then
     local w = pfx .. 'w:' .. id
-    if redis.call('HSETNX', w, 'gc', 1) == 1 then
+    local fresh = redis.pcall('HSETNX', w, 'gc', 1)
+    if type(fresh) == 'table' then  -- the record is not a hash: replace it
+      redis.call('DEL', w)
+      fresh = redis.call('HSETNX', w, 'gc', 1)
+    end
+    if fresh == 1 then
       local rid = redis.call('HGET', w, 'rid')
       if rid and redis.call('HGET', KEYS[3], rid) == id then redis.call('HDEL', KEYS[3], rid) end
       redis.call('ZREM', KEYS[2], code)
@@ -294,7 +338,8 @@ return out
 
 # KEYS: w, r, reg, rv   ARGV: pfx, id, max_blocks   -> {entries removed, done}
 GC_CHUNK = _BLOCKS + """
-if redis.call('HEXISTS', KEYS[1], 'gc') == 0 then return {0, 1} end
+local flagged = redis.pcall('HEXISTS', KEYS[1], 'gc')
+if type(flagged) == 'table' or flagged == 0 then return {0, 1} end
 local pfx, id, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local pos = tonumber(redis.call('HGET', KEYS[1], 'gcpos') or '0')
 local chunk = redis.call('GETRANGE', KEYS[2], pos * 16, (pos + max) * 16 - 1)
@@ -320,7 +365,10 @@ return {removed, 0}
 LOOKUP = _NOW + """
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
-local live = redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+local live = {}
+for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
+  if #c == 2 then live[#live + 1] = c end  -- anything else is junk, not a worker
+end
 local nblocks = #chain / 16
 local dc, dp, ac, au = {}, {}, {}, {}
 local nu = #live
@@ -365,7 +413,8 @@ while nu > 0 and i < nblocks do
         local q = vq[j - qbase]
         if q then
           for k = 1, #q, 15 do
-            if tonumber(string.sub(q, k + 2, k + 14)) > now then
+            local e = tonumber(string.sub(q, k + 2, k + 14))
+            if e and e > now then
               pmark[string.sub(q, k, k + 1)] = j
             end
           end
@@ -419,7 +468,7 @@ for s = 0, n - 1, 64 do
     if v then
       for k = 1, #v, 15 do
         local e = tonumber(string.sub(v, k + 2, k + 14))
-        if string.sub(v, k, k + 1) ~= code and e > now then
+        if e and string.sub(v, k, k + 1) ~= code and e > now then
           parts[#parts + 1] = string.sub(v, k, k + 14)
           if e > maxe then maxe = e end
         end
@@ -435,9 +484,13 @@ return n
 LIVE = _NOW + """
 local out = {}
 for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
-  local id = struct.unpack('>H', c)
-  out[#out + 1] = id
-  out[#out + 1] = redis.call('HMGET', ARGV[1] .. 'w:' .. id, 'rid', 'epoch', 'bs', 'fp', 'node')
+  if #c == 2 then  -- anything else is junk, not a worker
+    local id = struct.unpack('>H', c)
+    local rec = redis.pcall('HMGET', ARGV[1] .. 'w:' .. id, 'rid', 'epoch', 'bs', 'fp', 'node')
+    if rec.err then rec = {false, false, false, false, false} end
+    out[#out + 1] = id
+    out[#out + 1] = rec
+  end
 end
 return {redis.call('GET', KEYS[2]) or '0', out}
 """

@@ -217,9 +217,20 @@ class EventPublisher:
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
                 continue
             except StaleEpoch as exc:
-                log.warning("replica %s superseded, stop publishing: %s", self.replica_id, exc)
-                self._fenced = True
-                break
+                if self._worker_id is None:  # register() said so: keyed by our replica id
+                    log.warning("replica %s superseded, stop publishing: %s",
+                                self.replica_id, exc)
+                    self._fenced = True
+                    break
+                # The record under our worker id is newer than us. Either a newer incarnation
+                # of this replica took over, or Redis restarted empty and another replica got
+                # our old id. Only register() can tell: it answers by replica id.
+                log.info("worker id %s of %s is taken by a newer epoch (%s); registering again",
+                         self._worker_id, self.replica_id, exc)
+                self.stats.failures += 1
+                self._worker_id = None
+                self._mark_dirty()
+                continue
             except Exception:  # a failing snapshot/load callable must not kill publishing
                 self.stats.failures += 1
                 log.exception("event publisher step failed")

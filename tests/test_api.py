@@ -23,6 +23,7 @@ from cluster.tokenizer import Tokenizer
 from workers.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
 
 APP = "prefixserve-test"
+METRICS_PORT = free_port()
 MAX_MODEL_LEN = 512
 
 
@@ -36,7 +37,9 @@ def base_url(redis_server: LocalRedis) -> Iterator[str]:
     if ray.is_initialized():  # a Ray left by an earlier module: Serve's port is fixed per Ray
         serve.shutdown()
         ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             _metrics_export_port=METRICS_PORT,
+             _system_config={"metrics_report_interval_ms": 1000})
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=APP, route_prefix="/")
@@ -318,3 +321,32 @@ async def test_error_mid_stream_sends_error_event_then_done() -> None:
     assert out[-1] == "data: [DONE]\n\n"
     error = json.loads(out[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error"
+
+
+def _scrape(names: list[str], deadline_s: float = 30.0) -> dict[str, list[str]]:
+    """Prometheus lines of each metric, once every one of them has been exported."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+        found = {n: [ln for ln in text.splitlines() if ln.startswith(n)] for n in names}
+        if all(found.values()) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.5)
+
+
+def test_prometheus_metrics_per_worker(base_url: str) -> None:
+    system = "Metrics are labelled by worker. " * 12
+    for question in ("one", "two"):
+        body = {"prompt": system + question, "max_tokens": 2, "temperature": 0}
+        assert post(base_url, "/v1/completions", body).status_code == 200
+    names = [
+        "ray_prefixserve_prefix_cache_queries", "ray_prefixserve_prefix_cache_hits",
+        "ray_prefixserve_kv_cache_usage_perc", "ray_prefixserve_num_requests_running",
+        "ray_prefixserve_num_requests_waiting", "ray_prefixserve_time_to_first_token_seconds",
+        "ray_prefixserve_inter_token_latency_seconds", "ray_prefixserve_router_latency_ms",
+        "ray_prefixserve_router_matched_blocks",
+    ]
+    found = _scrape(names)
+    assert all(found.values()), [n for n, lines in found.items() if not lines]
+    hits = [ln for ln in found["ray_prefixserve_prefix_cache_hits"] if 'worker="' in ln]
+    assert hits and max(float(ln.rsplit(" ", 1)[1]) for ln in hits) > 0

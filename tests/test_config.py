@@ -75,6 +75,10 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
         ({"dtype": "int8"}, "'auto', 'float32'"),
         ({"port": 70000}, "less than or equal to 65535"),
         ({"num_wrokers": 2}, "Extra inputs are not permitted"),
+        ({"max_queued_requests": 0}, "greater than or equal to 1"),
+        ({"max_request_bytes": 100}, "greater than or equal to 1024"),
+        ({"graceful_shutdown_timeout_s": -1}, "greater than or equal to 0"),
+        ({"api_keys": "[1, 2]"}, "valid dictionary"),
     ],
 )
 def test_bad_settings_are_clear(args: dict, fragment: str) -> None:
@@ -100,6 +104,8 @@ def test_config_table_lists_every_field() -> None:
     for name in ClusterConfig.model_fields:
         assert f"`{name}`" in table
     assert "`--num-workers`" in table
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert table in readme, "regenerate README's table from cluster.config.config_table()"
 
 
 def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None:

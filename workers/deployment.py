@@ -24,6 +24,7 @@ import concurrent.futures
 import contextlib
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
@@ -239,6 +240,15 @@ def _node_id() -> str:
         return ""
 
 
+def _rss_bytes() -> int:
+    """Resident set size of this process (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _device(requested: str) -> str:
     """``auto``: in a Ray actor, the GPU Ray assigned to it (else CPU); elsewhere any GPU."""
     if requested != "auto":
@@ -310,6 +320,8 @@ class LLMWorker:
                 load=self.load,
                 node=_node_id(),
                 heartbeat_interval_s=heartbeat_interval_s,
+                # A dead replica's entries go soon after its lease lapses, not 30 s later.
+                gc_interval_s=min(30.0, max(1.0, lease_ttl_s)),
             )
             # Registers (retrying while Redis is down), publishes, heartbeats, resyncs.
             self._publisher.start()
@@ -384,7 +396,13 @@ class LLMWorker:
             "model": self.model_name,
             "publisher": asdict(self._publisher.stats) if self._publisher else None,
             "index_synced": bool(self._publisher and not self._publisher.dirty),
+            "rss_bytes": _rss_bytes(),
         }
+
+    async def cached_block_hashes(self, target_worker: str | None = None) -> list[bytes]:
+        """Every block hash in this engine's prefix cache (leak checks compare the index)."""
+        self._check_target(target_worker)
+        return await self._snapshot()
 
     async def reset_prefix_cache(self, target_worker: str | None = None) -> None:
         self._check_target(target_worker)

@@ -1,0 +1,88 @@
+"""Routing-latency figures from Ray's Prometheus text (bench/router_metrics.py), no Ray needed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bench.report import format_side_by_side
+from bench.router_metrics import Histogram, parse, summarize
+from bench.runner import run_sweep
+
+TAGS = 'Component="core_worker",application="a",deployment="LLMWorker"'
+
+
+def exposition(counts: dict[str, int], total: float, extra_tags: str = "") -> str:
+    """Prometheus text of ray_prefixserve_router_latency_ms with cumulative bucket counts."""
+    lines = ["# HELP ray_prefixserve_router_latency_ms Time to rank replicas",
+             "# TYPE ray_prefixserve_router_latency_ms histogram"]
+    for le, n in counts.items():
+        lines.append(f'ray_prefixserve_router_latency_ms_bucket{{{TAGS}{extra_tags},le="{le}"}}'
+                     f" {n}.0")
+    n = counts["+Inf"]
+    lines.append(f"ray_prefixserve_router_latency_ms_count{{{TAGS}{extra_tags}}} {n}.0")
+    lines.append(f"ray_prefixserve_router_latency_ms_sum{{{TAGS}{extra_tags}}} {total}")
+    lines.append('ray_prefixserve_router_matched_blocks_count{Component="x"} 99.0')
+    return "\n".join(lines) + "\n"
+
+
+def test_parse_sums_tag_sets_and_ignores_other_metrics() -> None:
+    a = exposition({"1.0": 2, "2.0": 5, "+Inf": 6}, 9.0)
+    b = exposition({"1.0": 1, "2.0": 1, "+Inf": 1}, 0.5, extra_tags=',pid="7"')
+    hist = parse(a + b)
+    assert hist.buckets == {1.0: 3.0, 2.0: 6.0, float("inf"): 7.0}
+    assert hist.count == 7.0 and hist.total == 9.5
+
+
+def test_quantiles_interpolate_inside_buckets_like_prometheus() -> None:
+    hist = Histogram({1.0: 0.0, 2.0: 50.0, 5.0: 100.0, float("inf"): 100.0}, 100.0, 250.0)
+    assert hist.quantile(0.5) == pytest.approx(2.0)
+    assert hist.quantile(0.25) == pytest.approx(1.5)
+    assert hist.quantile(0.99) == pytest.approx(2.0 + 3.0 * 49 / 50)
+    beyond = Histogram({1.0: 1.0, float("inf"): 10.0}, 10.0, 50.0)
+    assert beyond.quantile(0.99) == 1.0          # past the last finite bound: that bound
+    assert Histogram().quantile(0.5) is None
+
+
+def test_summarize_is_the_difference_of_two_scrapes() -> None:
+    before = parse(exposition({"1.0": 10, "2.0": 10, "+Inf": 10}, 5.0))
+    after = parse(exposition({"1.0": 10, "2.0": 30, "+Inf": 30}, 35.0))
+    figures = summarize(before, after)
+    assert figures["router_latency_samples"] == 20
+    assert figures["mean_router_latency_ms"] == pytest.approx(1.5)
+    assert figures["median_router_latency_ms"] == pytest.approx(1.5)
+    assert summarize(after, after) == {}       # no samples (pow2: router not instrumented)
+
+
+def test_side_by_side_shows_rows_only_some_runs_have() -> None:
+    base = {"completed": 4, "failed": 0, "duration": 1.0, "mean_ttft_ms": 1.0}
+    table = format_side_by_side({"pow2": base,
+                                 "prefix": {**base, "median_router_latency_ms": 1.25}})
+    row = next(line for line in table.splitlines() if line.startswith("Median routing"))
+    assert row.split()[-3:] == ["-", "1.250", "-"]      # pow2, prefix, prefix/pow2
+
+
+def test_run_sweep_merges_measured_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.runner as runner
+
+    calls: list[str] = []
+
+    async def fake_run_once(spec, workload, label="run"):
+        calls.append(f"run {label}")
+        return runner.RunResult(label, {"completed": 1}, [], spec.shape.request_rate)
+
+    async def measure():
+        calls.append("before")
+
+        async def finish() -> dict:
+            calls.append("after")
+            return {"router_latency_samples": 3}
+
+        return finish
+
+    monkeypatch.setattr(runner, "run_once", fake_run_once)
+    spec = runner.RunSpec(None, runner.LoadShape(), runner.Tokens(256, 0))  # type: ignore[arg-type]
+    points = asyncio.run(run_sweep(spec, lambda t: [], [1.0, 2.0], label="p", measure=measure))
+    assert calls == ["before", "run p@1", "after", "before", "run p@2", "after"]
+    assert all(p.summary == {"completed": 1, "router_latency_samples": 3} for p in points)
