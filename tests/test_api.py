@@ -12,11 +12,10 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import openai
 import pytest
-import ray
 from ray import serve
+from servekit import serve_app
 
 from cluster.api import WORKER_HEADER, _sse_body
-from cluster.app import build_app
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from cluster.tokenizer import Tokenizer
@@ -33,25 +32,9 @@ def base_url(redis_server: LocalRedis) -> Iterator[str]:
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
     )
-    port = free_port()
-    if ray.is_initialized():  # a Ray left by an earlier module: Serve's port is fixed per Ray
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _metrics_export_port=METRICS_PORT,
-             _system_config={"metrics_report_interval_ms": 1000})
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/v1/models").status_code != 200:
-            assert time.monotonic() < deadline, "ingress did not come up"
-            time.sleep(0.2)
+    with serve_app(config, APP, _metrics_export_port=METRICS_PORT,
+                   _system_config={"metrics_report_interval_ms": 1000}) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -8,18 +8,15 @@ One module-scoped cluster (auth off, one worker, a short context so valid fuzz c
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
-from ray import serve
+from servekit import serve_app
 
 from bench.fuzz_api import fuzz
-from cluster.app import build_app
 from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
+from cluster.local_redis import LocalRedis
 
 APP = "prefixserve-fuzz-test"
 MAX_BODY = 256 * 1024
@@ -33,23 +30,8 @@ def base_url(redis_server: LocalRedis) -> Iterator[str]:
         redis_url=redis_server.url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=64, max_model_len=128, max_num_seqs=32, max_request_bytes=MAX_BODY,
     )
-    port = free_port()
-    if ray.is_initialized():  # a Ray left by an earlier module: Serve's port is fixed per Ray
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/v1/models").status_code != 200:
-            assert time.monotonic() < deadline, "ingress did not come up"
-            time.sleep(0.2)
+    with serve_app(config, APP) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def test_schema_fuzz_never_5xx(base_url: str) -> None:

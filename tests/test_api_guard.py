@@ -15,13 +15,12 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-import ray
 import redis
 from ray import serve
+from servekit import serve_app
 
-from cluster.app import build_app
 from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
+from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex, key_tag
 from workers.builtin import BUILTIN_MODEL_NAME
@@ -48,23 +47,8 @@ def base_url(redis_url: str) -> Iterator[str]:
         num_blocks=NUM_BLOCKS, max_model_len=1024, max_num_seqs=16, api_keys=KEYS,
         max_queued_requests=MAX_IN_FLIGHT, max_request_bytes=MAX_BODY,
     )
-    port = free_port()
-    if ray.is_initialized():  # a Ray left by an earlier module: Serve's port is fixed per Ray
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP, route_prefix="/")
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while httpx.get(f"{url}/v1/models", headers=A).status_code != 200:
-            assert time.monotonic() < deadline, "ingress did not come up"
-            time.sleep(0.2)
+    with serve_app(config, APP, headers=A) as url:
         yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 def complete(url: str, headers: dict[str, str], body: dict, **kw) -> httpx.Response:

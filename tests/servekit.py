@@ -1,0 +1,44 @@
+"""Start the whole app for an end-to-end test module: local Ray, Serve over HTTP, readiness."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from cluster.app import build_app
+from cluster.config import ClusterConfig
+from cluster.local_redis import free_port
+
+
+@contextmanager
+def serve_app(config: ClusterConfig, name: str, *, headers: dict[str, str] | None = None,
+              ready_timeout_s: float = 90.0, **ray_init: Any) -> Iterator[str]:
+    """Yield the base URL once `/v1/models` answers 200; Serve and Ray stop on exit.
+
+    Ray starts fresh: Serve's HTTP port is fixed per Ray instance, so a Ray left running by an
+    earlier module is shut down first.
+    """
+    port = free_port()
+    if ray.is_initialized():
+        serve.shutdown()
+        ray.shutdown()
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             **ray_init)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(config), name=name, route_prefix="/")
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + ready_timeout_s
+        while httpx.get(f"{url}/v1/models", headers=headers).status_code != 200:
+            assert time.monotonic() < deadline, "ingress did not come up"
+            time.sleep(0.2)
+        yield url
+    finally:
+        serve.shutdown()
+        ray.shutdown()
