@@ -298,6 +298,7 @@ def _watch_index(victim: str, before: dict, kill_at: float, timeout_s: float = 3
     return out
 
 
+@pytest.mark.worker_kill
 def test_killed_worker_replica_streams_end_cleanly_and_it_comes_back(
     cluster: str, redis_server: LocalRedis
 ) -> None:
