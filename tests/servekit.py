@@ -1,9 +1,9 @@
-"""Start the whole app for an end-to-end test module: local Ray, Serve over HTTP, readiness."""
+"""End-to-end test helpers: start the whole app (local Ray, Serve over HTTP), wait on conditions."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,3 +42,13 @@ def serve_app(config: ClusterConfig, name: str, *, headers: dict[str, str] | Non
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:
+    """Poll until `predicate()` is true or `timeout_s` passes; the last answer is returned."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return bool(predicate())

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from servekit import serve_app
+from servekit import serve_app, wait_for
 
 from bench.soak import (
     CANCELLED,
@@ -58,15 +58,6 @@ def cluster(redis_server: LocalRedis) -> Iterator[str]:
     with serve_app(config, APP) as url:
         assert wait_for(lambda: len(worker_ids(APP)) == 2, 60)
         yield url
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def report(name: str, outcomes, **extra) -> dict:

@@ -16,6 +16,7 @@ from collections import Counter
 import pytest
 import ray
 from ray import serve
+from servekit import wait_for
 
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
@@ -92,15 +93,6 @@ async def confirmed_depth(url: str, chain: list[bytes], worker: str) -> int:
         return match.confirmed_depth if match else -1
     finally:
         await index.close()
-
-
-def wait_for(predicate, timeout_s: float, interval_s: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 async def live_replicas(url: str) -> list[str]:
