@@ -68,6 +68,7 @@ app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 app.add_middleware(Guard)
 WORKER_HEADER = "x-prefixserve-worker"
 CAPACITY_TIMEOUT_S = 10.0
+MAX_WORKER_RETRIES = 2  # re-sends of a prompt whose worker died before its first output
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
@@ -213,22 +214,22 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Text deltas of all choices, interleaved as the workers produce them."""
-        streams = [
-            self.workers.options(stream=True).generate.remote(
-                GenerateRequest(
-                    request_id=f"{self.request_id}-{p}", prompt_token_ids=ids,
-                    sampling=self.sampling, cache_salt=self.cache_salt, model=self.model,
-                )
-            )
-            for p, ids in enumerate(self.prompts)
-        ]
-        async with aclosing(_merge(streams, self._stop_early)) as merged:
+        async with aclosing(_merge(self._start, len(self.prompts), self._stop_early)) as merged:
             async for p, delta in merged:
                 out = self._apply(p, delta)
                 if out is not None:
                     yield out
         if not all(self._prompt_done(p) for p in range(len(self.prompts))):
             raise RuntimeError("a worker stream ended before its request finished")
+
+    def _start(self, p: int) -> DeploymentResponseGenerator:
+        """Prompt `p` on a worker; called again (a retry) if that worker dies before output."""
+        return self.workers.options(stream=True).generate.remote(
+            GenerateRequest(
+                request_id=f"{self.request_id}-{p}", prompt_token_ids=self.prompts[p],
+                sampling=self.sampling, cache_salt=self.cache_salt, model=self.model,
+            )
+        )
 
     def _apply(self, p: int, delta: Any) -> ChoiceDelta | None:
         self.cached_tokens[p] = max(self.cached_tokens[p], delta.num_cached_tokens)
@@ -261,14 +262,24 @@ def _retrieve(fut: asyncio.Future) -> None:
 
 
 async def _merge(
-    streams: list[DeploymentResponseGenerator], stop_early: Callable[[int], bool]
+    start: Callable[[int], DeploymentResponseGenerator],
+    count: int,
+    stop_early: Callable[[int], bool],
+    retries: int = MAX_WORKER_RETRIES,
 ) -> AsyncIterator[tuple[int, Any]]:
-    """Interleave worker streams. A stream is cancelled once `stop_early(i)` (no more output
-    wanted), and every unfinished one when the consumer stops (client gone, error), so the
-    engines abort those requests and free their blocks."""
+    """Interleave the worker streams ``start(0..count-1)``.
+
+    A stream whose worker dies before it produced anything is started again (Serve routes the
+    retry to a live replica): the client has seen nothing of it, so nothing is lost or repeated.
+    Once output has flowed, a dead worker is an error. A stream is cancelled once
+    `stop_early(i)` (no more output wanted), and every unfinished one when the consumer stops
+    (client gone, error), so the engines abort those requests and free their blocks."""
+    streams = [start(i) for i in range(count)]
     pending: dict[asyncio.Future, int] = {asyncio.ensure_future(_next(s)): i
                                           for i, s in enumerate(streams)}
     exhausted: set[int] = set()
+    producing: set[int] = set()
+    attempts = [0] * count
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -279,6 +290,16 @@ async def _merge(
                 except StopAsyncIteration:
                     exhausted.add(i)
                     continue
+                except RayActorError as exc:
+                    if i in producing or attempts[i] >= retries:
+                        raise
+                    attempts[i] += 1
+                    logger.warning("worker died before output (%r); retry %d of %d",
+                                   exc, attempts[i], retries)
+                    streams[i] = start(i)
+                    pending[asyncio.ensure_future(_next(streams[i]))] = i
+                    continue
+                producing.add(i)
                 yield i, item
                 if stop_early(i):
                     streams[i].cancel()

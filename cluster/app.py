@@ -68,6 +68,7 @@ def build_app(config: ClusterConfig) -> Application:
         config.redis_url if prefix else None,
         model_name,
         lease_ttl_s=config.lease_ttl_s,
+        stream_interval=config.stream_interval,
     )
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress_replicas,

@@ -9,6 +9,7 @@ pow2`, ...); `--config file.yaml` supplies them from a file, flags override.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
@@ -21,6 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from cluster.config import REDIS_URL_ENV, ClusterConfig
+from router.index import IndexUnavailable, check_redis
 
 APP_NAME = "prefixserve"
 
@@ -111,6 +113,11 @@ def serve_command(args: argparse.Namespace) -> int:
             config = ClusterConfig.model_validate(fields)
         except ValidationError as exc:
             return _fail(f"invalid configuration:\n{exc}")
+        if config.policy == "prefix" and config.redis_url and redis is None:
+            try:
+                asyncio.run(check_redis(config.redis_url))
+            except IndexUnavailable as exc:
+                return _fail(f"{exc}\n  (the prefix index needs it; or use --policy pow2)")
         return _run(config, args)
     finally:
         if redis is not None:

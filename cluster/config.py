@@ -81,6 +81,9 @@ class ClusterConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens per engine step (long prefills are chunked)")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+    stream_interval: int = Field(
+        1, ge=1, le=1024, description="Engine steps per streamed chunk after the first token "
+        "(as SGLang's --stream-interval): larger cuts per-chunk overhead, coarsens ITL")
 
     # --- routing ---------------------------------------------------------------------------
     policy: Policy = Field(

@@ -34,7 +34,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, RedisError
 
 from router import index_lua
 from router.blocks import DIGEST_BYTES
@@ -133,6 +133,44 @@ def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
     if cluster:
         return RedisCluster.from_url(url, **options)
     return Redis.from_url(url, health_check_interval=0, **options)
+
+
+def safe_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``: fit for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+async def check_redis(url: str, timeout_s: float = 5.0) -> None:
+    """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
+    unreachable) instead of serving with prefix routing silently off."""
+    client = _connect(url, timeout_s)
+    where = safe_url(url)
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+        if urlsplit(url).password is None:
+            reason = "requires a password and the URL has none"
+        else:
+            reason = f"rejected the password ({exc})"
+        raise IndexUnavailable(
+            f"Redis at {where} {reason}: use redis://:PASSWORD@host:port "
+            f"(or redis://USER:PASSWORD@host:port)"
+        ) from None
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        plain = url.startswith("redis://")
+        hint = "is it up? a TLS port needs rediss://" if plain else "is it up, with TLS?"
+        raise IndexUnavailable(
+            f"cannot use Redis at {where}: {type(exc).__name__}: {str(exc) or 'no reply'} "
+            f"({hint})"
+        ) from None
+    finally:
+        await client.aclose()
 
 
 def _code(worker_id: int) -> bytes:

@@ -23,7 +23,9 @@ by accident.
 Configure with ``RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,
 request_router_kwargs={...})``; the kwargs are those of :meth:`initialize_state`.
 A call with a ``target_worker=<replica id>`` keyword goes to that replica only (per-worker
-``stats`` / ``reset_prefix_cache``). Calls without a ``GenerateRequest`` go to any replica.
+``stats`` / ``reset_prefix_cache``); when no running replica has that id within
+``target_wait_s`` it fails with :class:`NoSuchReplica` (Serve itself would retry it for ever).
+Calls without a ``GenerateRequest`` go to any replica.
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ logger = logging.getLogger("ray.serve")
 _LATENCY_BUCKETS_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250]
 _DEPTH_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
+
+
+class NoSuchReplica(LookupError):
+    """A ``target_worker`` call named a replica that is not running (dead, or never was)."""
 
 
 class LocalPredictions:
@@ -139,6 +145,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         failopen_backoff_s: float = 1.0,
         load_max_age_s: float = 10.0,
         check_interval_s: float = 30.0,
+        target_wait_s: float = 10.0,
         prefix_routing: bool = True,
         policy: dict[str, Any] | None = None,
     ) -> None:
@@ -156,6 +163,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             failopen_backoff_s: after a failed lookup, route by load only for this long.
             load_max_age_s: a load record older than this is not used.
             check_interval_s: how often to re-check workers' block size and fingerprint.
+            target_wait_s: how long a ``target_worker`` call waits for that replica to show
+                up among the running ones (a replica that just started) before it fails.
             prefix_routing: False ranks by load only (the "no index" baseline).
             policy: ``router.policy.PolicyConfig`` fields (``block_size`` is set from above).
         """
@@ -168,6 +177,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._failopen_backoff_s = failopen_backoff_s
         self._load_max_age_s = load_max_age_s
         self._check_interval_s = check_interval_s
+        self._target_wait_s = target_wait_s
         self._prefix_routing = prefix_routing
         self._policy = PolicyConfig(**{**(policy or {}), "block_size": block_size})
 
@@ -217,7 +227,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             return []
         target = pending_request.kwargs.get("target_worker") if pending_request else None
         if target is not None:  # a call aimed at one replica (stats, cache reset)
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == target]]
+            return self._route_to_target(candidate_replicas, pending_request, target)
         request = _generate_request(pending_request)
         if pending_request is None or request is None:
             # Not a generate call (stats, ...): any replica, the least busy of a random order.
@@ -281,6 +291,21 @@ class PrefixAwareRequestRouter(RequestRouter):
         if len(ranking) > 1:
             tiers.append([by_key[s.key] for s in ranking[1:]])
         return tiers
+
+    def _route_to_target(
+        self, candidates: list[RunningReplica], pr: PendingRequest, target: str
+    ) -> list[list[RunningReplica]]:
+        """That replica only; fail the call once it has been missing for ``target_wait_s``."""
+        chosen = [r for r in candidates if r.replica_id.unique_id == target]
+        if chosen or time.time() - pr.created_at < self._target_wait_s:
+            return [chosen]
+        if not pr.future.done():
+            pr.future.set_exception(NoSuchReplica(
+                f"no running replica {target!r} in {self._deployment_id.name} "
+                f"(running: {sorted(r.replica_id.unique_id for r in candidates)})"
+            ))
+            self._remove_pending_request_from_indices(pr)
+        return [candidates]  # Serve's routing loop sees the call done and drops it
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

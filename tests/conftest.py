@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from cluster.local_redis import LocalRedis
+from cluster.local_redis import LocalRedis, free_port
+
+TLS_PASSWORD = "tls-pw"
 
 
 @pytest.fixture(scope="module")
@@ -14,5 +20,61 @@ def redis_server() -> Iterator[LocalRedis]:
     server = LocalRedis().start()
     try:
         yield server
+    finally:
+        server.close()
+
+
+@dataclass
+class TlsRedis:
+    server: LocalRedis
+    tls_port: int
+    ca: str  # the throwaway CA's certificate
+
+    @property
+    def url(self) -> str:
+        """TLS, password and CA check: what a production deployment would pass."""
+        return (f"rediss://:{TLS_PASSWORD}@127.0.0.1:{self.tls_port}/0"
+                f"?ssl_ca_certs={self.ca}&ssl_cert_reqs=required")
+
+    @property
+    def plaintext_url(self) -> str:
+        """The right password, but no TLS: the TLS port refuses it."""
+        return f"redis://:{TLS_PASSWORD}@127.0.0.1:{self.tls_port}/0"
+
+
+def make_tls_files(directory: Path) -> tuple[str, str, str]:
+    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
+    ca_key, ca_crt = directory / "ca.key", directory / "ca.crt"
+    key, csr, crt = directory / "srv.key", directory / "srv.csr", directory / "srv.crt"
+    ext = directory / "ext.cnf"
+    ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+    def run(*args: object) -> None:
+        subprocess.run([str(a) for a in args], check=True, capture_output=True)
+
+    run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+        "-subj", "/CN=prefixserve-test-ca", "-keyout", ca_key, "-out", ca_crt)
+    run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+        "-keyout", key, "-out", csr)
+    run("openssl", "x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key,
+        "-CAcreateserial", "-days", "1", "-extfile", ext, "-out", crt)
+    return str(ca_crt), str(crt), str(key)
+
+
+@pytest.fixture(scope="module")
+def tls_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsRedis]:
+    """A private redis-server with a password and a TLS port (self-signed CA made here)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl CLI")
+    ca, crt, key = make_tls_files(tmp_path_factory.mktemp("tls"))
+    tls_port = free_port()
+    args = ["--tls-port", str(tls_port), "--tls-cert-file", crt, "--tls-key-file", key,
+            "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+    try:
+        server = LocalRedis(password=TLS_PASSWORD, extra_args=args).start()
+    except RuntimeError:
+        pytest.skip("this redis-server was built without TLS")
+    try:
+        yield TlsRedis(server, tls_port, ca)
     finally:
         server.close()

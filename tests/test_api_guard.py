@@ -1,14 +1,17 @@
 """Isolation, access and overload at the HTTP API, end to end (real Ray Serve, Redis, HTTP).
 
-One module-scoped cluster with API keys on (two tenants), ONE worker (so a shared prefix cache
-would show as a hit: nothing routes the other tenant elsewhere), a tiny in-flight cap, a small
-body limit and a KV pool smaller than the context.
+One module-scoped cluster, hardened: API keys on (two tenants), the prefix index in a Redis that
+wants a password and speaks only TLS (a CA made by the test), ONE worker (so a shared prefix
+cache would show as a hit: nothing routes the other tenant elsewhere), a tiny in-flight cap, a
+small body limit and a KV pool smaller than the context.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -16,11 +19,12 @@ import httpx
 import openai
 import pytest
 import redis
+from conftest import TlsRedis
 from ray import serve
 from servekit import serve_app
 
 from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis
+from cluster.local_redis import free_port
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex, key_tag
 from workers.builtin import BUILTIN_MODEL_NAME
@@ -36,8 +40,8 @@ PROMPT = [(7 * i + 3) % 250 + 1 for i in range(160)]  # 10 full blocks of token 
 
 
 @pytest.fixture(scope="module")
-def redis_url(redis_server: LocalRedis) -> str:
-    return redis_server.url
+def redis_url(tls_redis: TlsRedis) -> str:
+    return tls_redis.url
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +132,38 @@ def _index_holds_only_salted_digests(redis_url: str) -> None:
             blob = raw.get(key) or b""
             stored.update(blob[i:i + 16] for i in range(0, len(blob), 16))
     assert not stored & unsalted
+
+
+def test_the_index_is_reached_over_tls_with_the_password(base_url: str, redis_url: str,
+                                                        tls_redis: TlsRedis) -> None:
+    """The worker registered and published through rediss://; plaintext is refused there."""
+    assert redis_url.startswith("rediss://")
+    stats = serve.get_deployment_handle("LLMWorker", APP).stats.remote().result()
+    assert stats["index_synced"] and stats["publisher"]["batches"] > 0, stats
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(tls_redis.plaintext_url, socket_timeout=2).ping()
+
+
+@pytest.mark.parametrize("wrong", ["password", "scheme", "no_password"])
+def test_serve_refuses_to_start_on_a_wrong_redis_url(tls_redis: TlsRedis, wrong: str) -> None:
+    """Before Ray starts: exit 2 with the reason, the password never printed."""
+    url = {
+        "password": tls_redis.url.replace(":tls-pw@", ":not-the-password@"),
+        "scheme": tls_redis.plaintext_url,
+        "no_password": tls_redis.url.replace(":tls-pw@", ""),
+    }[wrong]
+    proc = subprocess.run(
+        [sys.executable, "-m", "cluster", "serve", "--redis-url", url, "--num-workers", "1",
+         "--port", str(free_port())],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "prefixserve: error:" in proc.stderr
+    expected = {"password": "rejected the password", "scheme": "cannot use Redis",
+                "no_password": "requires a password"}[wrong]
+    assert expected in proc.stderr, proc.stderr
+    assert "not-the-password" not in proc.stderr and "tls-pw" not in proc.stderr
+    assert "starting" not in proc.stdout  # it never got as far as Ray
 
 
 def test_prompt_over_kv_capacity_is_400_at_once(base_url: str) -> None:

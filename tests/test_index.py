@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import shutil
 import subprocess
 import time
@@ -11,6 +10,7 @@ import uuid
 
 import pytest
 import redis
+from conftest import TlsRedis
 
 from cluster.local_redis import LocalRedis, free_port
 from router.blocks import hash_chain, namespace
@@ -382,49 +382,20 @@ async def test_blackholed_redis_raises_within_deadline() -> None:
             await idx.close()
 
 
-def _make_tls_files(tmp_path) -> tuple[str, str, str]:
-    """A throwaway CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    ca_key, ca_crt = tmp_path / "ca.key", tmp_path / "ca.crt"
-    key, csr, crt = tmp_path / "srv.key", tmp_path / "srv.csr", tmp_path / "srv.crt"
-    ext = tmp_path / "ext.cnf"
-    ext.write_text("subjectAltName=IP:127.0.0.1\n")
-    run = functools.partial(subprocess.run, check=True, capture_output=True)
-    run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-         "-subj", "/CN=prefixserve-test-ca", "-keyout", ca_key, "-out", ca_crt])
-    run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-         "-keyout", key, "-out", csr])
-    run(["openssl", "x509", "-req", "-in", csr, "-CA", ca_crt, "-CAkey", ca_key,
-         "-CAcreateserial", "-days", "1", "-extfile", ext, "-out", crt])
-    return str(ca_crt), str(crt), str(key)
-
-
-@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
-async def test_tls_via_rediss_url(tmp_path) -> None:
-    ca, crt, key = _make_tls_files(tmp_path)
-    tls_port = free_port()
-    tls_args = ["--tls-port", str(tls_port), "--tls-cert-file", crt, "--tls-key-file", key,
-                "--tls-ca-cert-file", ca, "--tls-auth-clients", "no"]
+async def test_tls_via_rediss_url(tls_redis: TlsRedis) -> None:
+    idx = PrefixIndex(tls_redis.url, model_name(), deadline_s=2.0)
     try:
-        server = LocalRedis(password="tls-pw", extra_args=tls_args).start()
-    except RuntimeError:
-        pytest.skip("this redis-server was built without TLS")
-    try:
-        url = f"rediss://:tls-pw@127.0.0.1:{tls_port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required"
-        idx = PrefixIndex(url, model_name(), deadline_s=2.0)
-        try:
-            a = await register(idx, "A")
-            await idx.apply(stored(a, 1, chain_of(18, 3)))
-            assert depths(await idx.lookup(chain_of(18, 3))) == {"A": (3, 3)}
-        finally:
-            await idx.close()
-        plain = PrefixIndex(f"redis://:tls-pw@127.0.0.1:{tls_port}/0", model_name())
-        try:
-            with pytest.raises(IndexUnavailable):  # a TLS port refuses plaintext clients
-                await plain.lookup(chain_of(18, 3))
-        finally:
-            await plain.close()
+        a = await register(idx, "A")
+        await idx.apply(stored(a, 1, chain_of(18, 3)))
+        assert depths(await idx.lookup(chain_of(18, 3))) == {"A": (3, 3)}
     finally:
-        server.close()
+        await idx.close()
+    plain = PrefixIndex(tls_redis.plaintext_url, model_name())
+    try:
+        with pytest.raises(IndexUnavailable):  # a TLS port refuses plaintext clients
+            await plain.lookup(chain_of(18, 3))
+    finally:
+        await plain.close()
 
 
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli to form a cluster")

@@ -23,6 +23,7 @@ from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex
 from router.policy import rendezvous
 from router.request import GenerateRequest
+from router.request_router import NoSuchReplica
 from workers.builtin import ensure_builtin_model
 from workers.deployment import TokenDelta, worker_deployment
 
@@ -53,6 +54,7 @@ def handle(redis_server: LocalRedis):
                 "predict_ttl_s": 1.0,
                 "failopen_backoff_s": 0.5,
                 "check_interval_s": 5.0,
+                "target_wait_s": 2.0,
             },
         )
         app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL,
@@ -249,6 +251,15 @@ def test_a_cancelled_stream_frees_its_blocks(handle) -> None:
         return s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == 0
 
     assert wait_for(idle, 15, 0.2)
+
+
+def test_a_call_for_a_replica_that_is_not_running_fails_instead_of_waiting_forever(
+    handle,
+) -> None:
+    with pytest.raises(NoSuchReplica, match="no-such-replica"):
+        handle.stats.remote(target_worker="no-such-replica").result(timeout_s=60)
+    worker = run(handle, prefix(4) + suffix())[-1].worker
+    assert stats(handle, worker)["worker"] == worker  # the handle routes on as before
 
 
 def test_a_router_with_the_wrong_fingerprint_refuses_prefix_routing(handle, redis_server) -> None:

@@ -12,8 +12,10 @@ from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex
 from router.request import GenerateRequest
 from workers.builtin import ensure_builtin_model
-from workers.deployment import LLMWorker, TokenDelta
+from workers.deployment import LLMWorker, TokenDelta, merge_steps
+from workers.engine import RequestOutput
 from workers.errors import InvalidRequestError
+from workers.sampling import TokenLogprob
 
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8}
 PROMPT = [(i * 7) % 250 for i in range(40)]
@@ -151,3 +153,52 @@ async def test_serves_and_stays_healthy_while_redis_is_unreachable() -> None:
         assert stats["worker_id"] is None and not stats["index_synced"]
     finally:
         await w.shutdown()
+
+
+def _out(index: int, tokens: list[int], finished: bool = False, logprobs: bool = False):
+    lps = [TokenLogprob(t, -0.5, []) for t in tokens] if logprobs else None
+    return RequestOutput("r", index, tokens, lps, finished, "length" if finished else None,
+                         num_prompt_tokens=40, num_cached_tokens=16)
+
+
+def test_merge_steps_joins_each_samples_tokens_in_order() -> None:
+    steps = [[_out(0, [1], logprobs=True), _out(1, [5], logprobs=True)],
+             [_out(0, [2], logprobs=True)],
+             [_out(1, [6, 7], finished=True, logprobs=True), _out(0, [3], logprobs=True)]]
+    merged = {o.index: o for o in merge_steps(steps)}
+    assert merged[0].new_token_ids == [1, 2, 3] and not merged[0].finished
+    assert merged[1].new_token_ids == [5, 6, 7] and merged[1].finish_reason == "length"
+    assert [lp.token_id for lp in merged[1].new_logprobs] == [5, 6, 7]
+    assert merge_steps([[_out(0, [9])]])[0].new_logprobs is None
+    assert steps[0][0].new_token_ids == [1]  # the inputs are not changed
+
+
+async def test_a_slow_consumer_gets_the_backlog_in_fewer_deltas(worker: LLMWorker) -> None:
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    fast = await collect(worker, GenerateRequest("fast", PROMPT, params))
+    assert sum(len(d.token_ids) for d in fast) == 40
+    stream = worker.generate(GenerateRequest("slow", PROMPT, params))
+    slow = [await stream.__anext__()]
+    await asyncio.sleep(1.0)  # the engine runs ahead; its steps queue up
+    slow += [d async for d in stream]
+    assert len(slow) < 40  # without merging: one delta per engine step, 40
+    assert [t for d in slow for t in d.token_ids] == [t for d in fast for t in d.token_ids]
+    assert slow[-1].finished and not any(d.finished for d in slow[:-1])
+
+
+async def test_stream_interval_sends_the_first_token_alone_then_every_k_steps() -> None:
+    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    plain = await make_worker()
+    spaced = await make_worker(stream_interval=4)
+    try:
+        every = await collect(plain, GenerateRequest("every", PROMPT, params))
+        grouped = await collect(spaced, GenerateRequest("grouped", PROMPT, params))
+    finally:
+        await plain.shutdown()
+        await spaced.shutdown()
+    assert len(grouped[0].token_ids) == 1  # TTFT is not delayed
+    assert len(grouped) <= 1 + 39 // 4 + 1 and all(len(d.token_ids) >= 4 for d in grouped[1:-1])
+    assert [t for d in grouped for t in d.token_ids] == [t for d in every for t in d.token_ids]
+    assert grouped[-1].finished and grouped[-1].finish_reason == "length"
+    with pytest.raises(ValueError, match="stream_interval"):
+        await make_worker(stream_interval=0)

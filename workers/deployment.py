@@ -30,7 +30,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import ray
@@ -67,6 +67,45 @@ class TokenDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     worker: str  # replica unique id (tests assert routing with it)
+
+
+def _drain(
+    first: list[RequestOutput] | BaseException, pending: asyncio.Queue
+) -> tuple[list[list[RequestOutput]], BaseException | None]:
+    """``first`` and every step already queued behind it, up to an error (returned apart)."""
+    steps: list[list[RequestOutput]] = []
+    item = first
+    while True:
+        if isinstance(item, BaseException):
+            return steps, item
+        steps.append(item)
+        if pending.empty():
+            return steps, None
+        item = pending.get_nowait()
+
+
+def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
+    """One output per sample for several engine steps, tokens in order.
+
+    When the consumer falls behind (a loaded host), its queued steps go out as one delta: the
+    same tokens in fewer stream messages, as vLLM's output collector does, so per-message
+    overhead in Serve, the ingress and the client does not grow with the backlog.
+    """
+    merged: dict[int, RequestOutput] = {}
+    for step in steps:
+        for out in step:
+            prev = merged.get(out.index)
+            if prev is None:
+                merged[out.index] = replace(out, new_token_ids=list(out.new_token_ids))
+                continue
+            logprobs = None
+            if prev.new_logprobs is not None or out.new_logprobs is not None:
+                logprobs = [*(prev.new_logprobs or []), *(out.new_logprobs or [])]
+            merged[out.index] = replace(
+                out, new_token_ids=[*prev.new_token_ids, *out.new_token_ids],
+                new_logprobs=logprobs,
+            )
+    return list(merged.values())
 
 
 def sampling_params(sampling: dict[str, Any]) -> SamplingParams:
@@ -273,6 +312,7 @@ class LLMWorker:
         lease_ttl_s: float = 10.0,
         heartbeat_interval_s: float = 1.0,
         index_deadline_s: float = 0.5,
+        stream_interval: int = 1,
     ) -> None:
         """
         Args:
@@ -285,9 +325,15 @@ class LLMWorker:
             heartbeat_interval_s: how often load is reported and the lease renewed.
             index_deadline_s: per-call Redis deadline for this worker's index client (publishing
                 is off the request path, so it can be generous; routers use a tight one).
+            stream_interval: engine steps per streamed delta after the first token (SGLang's
+                ``--stream-interval``): fewer messages through Serve, the ingress and the
+                client for the same tokens; the first token always goes out at once.
         """
+        if stream_interval < 1:
+            raise ValueError("stream_interval must be >= 1")
         self.replica_id = _replica_id()
         self.model_name = model_name
+        self._stream_interval = stream_interval
         self._ids = itertools.count()
         self._closed = False
         self._publisher: EventPublisher | None = None
@@ -334,7 +380,8 @@ class LLMWorker:
     # ---------------------------------------------------------------------------- serving
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream this request's tokens, one delta per engine step per sample.
+        """Stream this request's tokens: per sample, one delta per engine step (the first token
+        at once; later ones every ``stream_interval`` steps, and a consumer's backlog as one).
 
         Raises InvalidRequestError for bad input. If the caller goes away (the generator is
         closed or cancelled), the request is aborted and its blocks are freed.
@@ -349,20 +396,22 @@ class LLMWorker:
         self._loop_thread.add(
             request_id, list(request.prompt_token_ids), params, request.cache_salt, stream
         )
+        held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:
             while finished < params.n:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = params.n  # the engine already dropped it
-                    raise item
+                steps, error = _drain(await stream.queue.get(), stream.queue)
+                held += steps
+                if (error is None and last is not None and len(held) < self._stream_interval
+                        and not any(o.finished for step in held for o in step)):
+                    continue
                 now = time.perf_counter()
-                if any(o.new_token_ids for o in item):
+                if any(o.new_token_ids for step in held for o in step):
                     if last is None:
                         self._ttft.observe(now - start)
                     else:
                         self._itl.observe(now - last)
                     last = now
-                for out in item:
+                for out in merge_steps(held):
                     finished += out.finished
                     yield TokenDelta(
                         index=out.index,
@@ -374,6 +423,10 @@ class LLMWorker:
                         num_cached_tokens=out.num_cached_tokens,
                         worker=self.replica_id,
                     )
+                held = []
+                if error is not None:
+                    finished = params.n  # the engine already dropped it
+                    raise error
         finally:
             if finished < params.n:
                 self._loop_thread.abort(request_id)
