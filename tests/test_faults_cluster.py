@@ -339,9 +339,11 @@ def test_killed_worker_replica_waiting_requests_retry_streams_end_cleanly_it_com
                  for p, out in zip(prompts, longs, strict=True)]
 
         def busy_worker() -> bool:
-            for w, s in worker_stats(APP).items():
-                if s["num_running"] >= 1 and s["num_waiting"] >= 1:
-                    picked.update(victim=w, waiting=s["num_waiting"], stats=s)
+            """A worker streaming one of the long streams with requests waiting behind it."""
+            streaming = {s.worker for s in longs if s.first_at is not None and s.worker}
+            for w, st in worker_stats(APP).items():
+                if w in streaming and st["num_waiting"] >= 1:
+                    picked.update(victim=w, waiting=st["num_waiting"])
                     return True
             return False
 
@@ -418,7 +420,6 @@ def test_killed_worker_replica_waiting_requests_retry_streams_end_cleanly_it_com
     assert any(s.error_end for s in on_victim), [s.events[-3:] for s in on_victim]
     assert all(s.error_end or s.clean_end for s in on_victim), [s.events[-3:] for s in on_victim]
     assert all(s.clean_end for s in others), [(s.status, s.events[-2:]) for s in others]
-    assert waited, [(s.worker, s.first_at, killed_at) for s in longs]
     # Requests sent after the kill can never have output on the victim: all succeed (those
     # Serve still sent to it are retried).
     assert after and all(o.kind == OK for o in after), figures
