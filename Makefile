@@ -22,11 +22,14 @@ test: setup
 serve: setup
 	$(BIN)/prefixserve serve $(ARGS)
 
-# Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/compare.py).
+# Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/compare.py),
+# with each worker's KV pool holding 11 of the 16 shared system prompts (README: Benchmarks).
 bench: setup
 	$(BIN)/python -m bench compare --num-workers 2 --workload shared-prefix \
-		--num-groups 4 --prompts-per-group 8 --system-len 1024 --question-len 64 \
-		--output-len 16 --ignore-eos --max-concurrency 4 --warmup 2
+		--num-groups 16 --prompts-per-group 8 --system-len 1024 --question-len 64 \
+		--output-len 32 --ignore-eos --request-rate 11,inf \
+		--cluster-option num_blocks=704 --cluster-option max_num_seqs=16 \
+		--cluster-option stream_interval=8 $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -68,6 +68,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cmp.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
     cmp.add_argument("--cluster-option", action="append", default=[], metavar="KEY=JSON",
                      help="extra ClusterConfig field, e.g. max_num_seqs=32 (repeatable)")
+    cmp.add_argument("--repeats", type=int, default=1,
+                     help="launch every policy N times, interleaved (A B A B ...): tables "
+                          "show medians and each launch's ratios (noisy, shared machines)")
     cmp.add_argument("--router-metrics", action="store_true",
                      help="routing latency p50/p99 of the prefix-aware router, read from "
                           "Ray's Prometheus metrics endpoint (bench/router_metrics.py)")

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import math
+import statistics
 from typing import Any
 
 from bench.cli import make_spec, make_workload, parse_rates, write_outputs
@@ -37,23 +38,31 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
-def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, list[RunResult]]:
+def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, list[list[RunResult]]]:
+    """policy -> one sweep per launch. Launches interleave the policies (A B A B ...), so a
+    slow spell of a shared machine hits every policy rather than one of them."""
     options = parse_options(args.cluster_option)
     rates = parse_rates(args)
     workload = make_workload(args)
+    repeats = getattr(args, "repeats", 1)
+    if repeats < 1:
+        raise SystemExit("--repeats must be >= 1")
     measure = None
     if getattr(args, "router_metrics", False):
         port = free_port()
         ensure_ray(metrics_export_port=port, metrics_report_interval_ms=REPORT_INTERVAL_MS)
         measure = measurer(port)
-    runs: dict[str, list[RunResult]] = {}
-    for policy in policies:
-        print(f"--- launching the cluster with policy={policy} ({args.num_workers} workers)")
-        with local_cluster(port=args.port, model=args.model_path, num_workers=args.num_workers,
-                           policy=policy, **options) as cluster:
-            spec = make_spec(args, cluster.base_url, args.model or cluster.model)
-            runs[policy] = asyncio.run(run_sweep(spec, workload, rates, label=policy,
-                                                 measure=measure))
+    runs: dict[str, list[list[RunResult]]] = {p: [] for p in policies}
+    for rep in range(repeats):
+        for policy in policies:
+            label = policy if repeats == 1 else f"{policy}#{rep + 1}"
+            print(f"--- launching the cluster with policy={policy} ({args.num_workers} workers)"
+                  + (f", launch {rep + 1} of {repeats}" if repeats > 1 else ""))
+            with local_cluster(port=args.port, model=args.model_path,
+                               num_workers=args.num_workers, policy=policy, **options) as cluster:
+                spec = make_spec(args, cluster.base_url, args.model or cluster.model)
+                runs[policy].append(asyncio.run(run_sweep(spec, workload, rates, label=label,
+                                                          measure=measure)))
     return runs
 
 
@@ -67,20 +76,58 @@ def compare(args: argparse.Namespace) -> int:
     finally:
         shutdown()
     print(side_by_side(runs, args.speedup if args.workload == "trace" else None))
-    for f in write_outputs(args, runs):
+    flat = {points[0].label.rpartition("@")[0]: points
+            for launches in runs.values() for points in launches}
+    for f in write_outputs(args, flat):
         print(f"wrote {f}")
-    return 0 if all(r.summary["completed"] for p in runs.values() for r in p) else 1
+    return 0 if all(r.summary["completed"] for p in flat.values() for r in p) else 1
 
 
-def side_by_side(runs: dict[str, list[RunResult]], trace_speedup: float | None = None) -> str:
-    """One table per request rate, a column per policy, ratios against the first policy."""
+def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over launches; what is not a number is the first launch's."""
+    out = dict(summaries[0])
+    for key in summaries[0]:
+        values = [s.get(key) for s in summaries]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+    return out
+
+
+RATIO_KEYS = (("request_throughput", "throughput"), ("median_ttft_ms", "TTFT p50"),
+              ("p90_ttft_ms", "TTFT p90"), ("prefix_hit_rate", "hit rate"))
+
+
+def side_by_side(runs: dict[str, list[list[RunResult]]],
+                 trace_speedup: float | None = None) -> str:
+    """One table per request rate, a column per policy, ratios against the first policy.
+
+    With several launches per policy the table holds medians, followed by each launch's ratios
+    (launch k of a policy against launch k of the baseline, which ran just before it)."""
     blocks = []
-    n_points = min(len(p) for p in runs.values())
+    names = list(runs)
+    base = names[0]
+    launches = min(len(reps) for reps in runs.values())
+    n_points = min(len(points) for reps in runs.values() for points in reps)
     for i in range(n_points):
-        rate = next(iter(runs.values()))[i].request_rate
+        rate = runs[base][0][i].request_rate
         title = f"request rate {'inf' if math.isinf(rate) else f'{rate:g}'}/s"
         if trace_speedup is not None:
             title = f"trace arrivals, {trace_speedup:g}x speed"
-        table = format_side_by_side({name: points[i].summary for name, points in runs.items()})
-        blocks.append(f"=== {title} ===\n{table}")
+        summaries = {name: median_summary([reps[k][i].summary for k in range(launches)])
+                     for name, reps in runs.items()}
+        if launches > 1:
+            title += f", median of {launches} launches per policy"
+        lines = [f"=== {title} ===", format_side_by_side(summaries)]
+        for name in names[1:] if launches > 1 else []:
+            for key, label in RATIO_KEYS:
+                ratios = [_ratio(runs[name][k][i].summary, runs[base][k][i].summary, key)
+                          for k in range(launches)]
+                lines.append(f"{name}/{base} {label} per launch: " + " ".join(ratios))
+        blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> str:
+    x, y = a.get(key), b.get(key)
+    return f"{x / y:.2f}x" if isinstance(x, int | float) and isinstance(y, int | float) and y \
+        else "-"
