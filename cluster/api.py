@@ -28,7 +28,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -110,6 +110,8 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RayActorError | DeploymentUnavailableError):
         return ApiError(503, "a worker became unavailable; retry", "server_error",
                         code="worker_unavailable")
+    if isinstance(exc, TaskCancelledError):  # the client went away; nobody reads this
+        return ApiError(503, "the request was cancelled", "server_error", code="cancelled")
     logger.exception("internal error", exc_info=exc)
     return ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
 
@@ -184,15 +186,13 @@ class Generation:
     cache_salt: str | None
     choices: list[list[_Choice]] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
-    served_by: set[str] = field(default_factory=set)  # worker replica ids
+    served_by: list[set[str]] = field(default_factory=list)  # per prompt: worker replica ids
+    shown: set[int] = field(default_factory=set)  # prompts with output passed to the client
 
     def __post_init__(self) -> None:
-        n = self.sampling["n"]
-        self.choices = [
-            [_Choice(self.tokenizer.detokenizer(p), StopChecker(self.stops)) for _ in range(n)]
-            for p in self.prompts
-        ]
+        self.choices = [[] for _ in self.prompts]
         self.cached_tokens = [0] * len(self.prompts)
+        self.served_by = [set() for _ in self.prompts]
 
     def usage(self) -> Usage:
         return Usage.of(
@@ -203,7 +203,8 @@ class Generation:
 
     def headers(self) -> dict[str, str]:
         """Which workers served the request (benchmarks count per-worker traffic with it)."""
-        return {WORKER_HEADER: ",".join(sorted(self.served_by))} if self.served_by else {}
+        workers = set().union(*self.served_by)
+        return {WORKER_HEADER: ",".join(sorted(workers))} if workers else {}
 
     def _prompt_done(self, p: int) -> bool:
         return all(c.done for c in self.choices[p])
@@ -214,16 +215,26 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Text deltas of all choices, interleaved as the workers produce them."""
-        async with aclosing(_merge(self._start, len(self.prompts), self._stop_early)) as merged:
+        merged = _merge(self._start, len(self.prompts), self._stop_early,
+                        can_retry=lambda p: p not in self.shown)
+        async with aclosing(merged):
             async for p, delta in merged:
                 out = self._apply(p, delta)
-                if out is not None:
+                if out is not None and (out.text or out.finish_reason or out.logprobs):
+                    self.shown.add(p)
                     yield out
         if not all(self._prompt_done(p) for p in range(len(self.prompts))):
             raise RuntimeError("a worker stream ended before its request finished")
 
     def _start(self, p: int) -> DeploymentResponseGenerator:
-        """Prompt `p` on a worker; called again (a retry) if that worker dies before output."""
+        """Prompt `p` on a worker, from a clean state. Called again (a retry) only while none
+        of `p`'s output has been passed on, so nothing the client saw is lost or repeated."""
+        self.choices[p] = [
+            _Choice(self.tokenizer.detokenizer(self.prompts[p]), StopChecker(self.stops))
+            for _ in range(self.sampling["n"])
+        ]
+        self.cached_tokens[p] = 0
+        self.served_by[p] = set()
         return self.workers.options(stream=True).generate.remote(
             GenerateRequest(
                 request_id=f"{self.request_id}-{p}", prompt_token_ids=self.prompts[p],
@@ -233,7 +244,7 @@ class Generation:
 
     def _apply(self, p: int, delta: Any) -> ChoiceDelta | None:
         self.cached_tokens[p] = max(self.cached_tokens[p], delta.num_cached_tokens)
-        self.served_by.add(delta.worker)
+        self.served_by[p].add(delta.worker)
         choice = self.choices[p][delta.index]
         choice.engine_done = choice.engine_done or delta.finished
         if choice.done:  # already ended by a stop string
@@ -265,20 +276,20 @@ async def _merge(
     start: Callable[[int], DeploymentResponseGenerator],
     count: int,
     stop_early: Callable[[int], bool],
+    can_retry: Callable[[int], bool],
     retries: int = MAX_WORKER_RETRIES,
 ) -> AsyncIterator[tuple[int, Any]]:
     """Interleave the worker streams ``start(0..count-1)``.
 
-    A stream whose worker dies before it produced anything is started again (Serve routes the
-    retry to a live replica): the client has seen nothing of it, so nothing is lost or repeated.
-    Once output has flowed, a dead worker is an error. A stream is cancelled once
-    `stop_early(i)` (no more output wanted), and every unfinished one when the consumer stops
-    (client gone, error), so the engines abort those requests and free their blocks."""
+    A stream whose worker dies while ``can_retry(i)`` (nothing of it reached the client yet) is
+    started again, and Serve routes it to a live replica; otherwise a dead worker is an error.
+    A stream is cancelled once `stop_early(i)` (no more output wanted), and every unfinished
+    one when the consumer stops (client gone, error), so the engines abort those requests and
+    free their blocks."""
     streams = [start(i) for i in range(count)]
     pending: dict[asyncio.Future, int] = {asyncio.ensure_future(_next(s)): i
                                           for i, s in enumerate(streams)}
     exhausted: set[int] = set()
-    producing: set[int] = set()
     attempts = [0] * count
     try:
         while pending:
@@ -291,7 +302,7 @@ async def _merge(
                     exhausted.add(i)
                     continue
                 except RayActorError as exc:
-                    if i in producing or attempts[i] >= retries:
+                    if not can_retry(i) or attempts[i] >= retries:
                         raise
                     attempts[i] += 1
                     logger.warning("worker died before output (%r); retry %d of %d",
@@ -299,7 +310,6 @@ async def _merge(
                     streams[i] = start(i)
                     pending[asyncio.ensure_future(_next(streams[i]))] = i
                     continue
-                producing.add(i)
                 yield i, item
                 if stop_early(i):
                     streams[i].cancel()

@@ -1,13 +1,14 @@
-"""`cluster.api._merge`: interleaving worker streams, and re-sending a prompt whose worker died
-before it produced anything. Plain async iterators stand in for Serve's response generators;
-the cluster-level behaviour is in tests/test_faults_cluster.py (a replica killed under load)."""
+"""Worker streams at the ingress: `_merge` interleaves them and re-sends a prompt whose worker
+died before any of its output was passed on; `to_api_error` maps worker failures. Plain async
+iterators stand in for Serve's response generators; the cluster-level behaviour is in
+tests/test_faults_cluster.py (a replica killed under load)."""
 
 from __future__ import annotations
 
 import pytest
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, TaskCancelledError
 
-from cluster.api import MAX_WORKER_RETRIES, _merge
+from cluster.api import MAX_WORKER_RETRIES, _merge, to_api_error
 
 
 class Stream:
@@ -45,8 +46,20 @@ def starter(plans: dict[int, list[Stream]]):
     return start, started
 
 
+def merged(start, count: int):
+    """As Generation uses it: a prompt may be re-sent until something of it was passed on."""
+    shown: set[int] = set()
+
+    async def gen():
+        async for i, item in _merge(start, count, lambda _: False, lambda i: i not in shown):
+            shown.add(i)
+            yield i, item
+
+    return gen()
+
+
 async def collect(start, count: int) -> list[tuple[int, str]]:
-    return [x async for x in _merge(start, count, lambda _: False)]
+    return [x async for x in merged(start, count)]
 
 
 async def test_a_stream_whose_worker_dies_before_output_is_sent_again() -> None:
@@ -61,9 +74,20 @@ async def test_a_stream_that_already_produced_output_is_not_sent_again() -> None
     start, started = starter({0: [Stream(["a1", "a2", "a3"], die_after=1), Stream(["never"])]})
     got = []
     with pytest.raises(ActorDiedError):
-        async for item in _merge(start, 1, lambda _: False):
+        async for item in merged(start, 1):
             got.append(item)
     assert got == [(0, "a1")] and started == {0: 1}  # the client saw a1: no silent restart
+
+
+async def test_output_not_passed_on_yet_does_not_stop_a_retry() -> None:
+    """Tokens that decode to no text yet (a partial UTF-8 character) reach nobody."""
+    first, again = Stream(["partial"], die_after=1), Stream(["whole"])
+    start, started = starter({0: [first, again]})
+    passed_on: list[str] = []
+    async for _, item in _merge(start, 1, lambda _: False, lambda _: not passed_on):
+        if item != "partial":
+            passed_on.append(item)
+    assert passed_on == ["whole"] and started == {0: 2}
 
 
 async def test_retries_are_bounded() -> None:
@@ -77,7 +101,15 @@ async def test_retries_are_bounded() -> None:
 async def test_a_consumer_that_stops_cancels_the_unfinished_streams() -> None:
     a, b = Stream(["a1", "a2", "a3"]), Stream(["b1", "b2", "b3"])
     start, _ = starter({0: [a], 1: [b]})
-    merged = _merge(start, 2, lambda _: False)
-    await merged.__anext__()
-    await merged.aclose()
+    stream = _merge(start, 2, lambda _: False, lambda _: True)
+    await stream.__anext__()
+    await stream.aclose()
     assert a.cancelled and b.cancelled
+
+
+def test_worker_failures_map_to_statuses_without_an_internal_error() -> None:
+    dead = to_api_error(ActorDiedError())
+    assert dead.status == 503 and dead.body.error.code == "worker_unavailable"
+    gone = to_api_error(TaskCancelledError())  # the client disconnected
+    assert gone.status == 503 and gone.body.error.code == "cancelled"
+    assert to_api_error(ValueError("bug")).status == 500
