@@ -254,6 +254,8 @@ class PrefixIndex:
         except asyncio.TimeoutError:
             msg = f"redis did not answer within {deadline * 1000:.0f} ms"
             raise IndexUnavailable(msg) from None
+        except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+            raise IndexUnavailable(f"redis rejected the credentials: {exc}") from exc
         except (RedisError, OSError) as exc:
             raise IndexUnavailable(f"redis error: {exc!r}") from exc
 

@@ -23,7 +23,9 @@ or the registration vanished because Redis restarted empty) the publisher is *di
 buffered events, and as soon as Redis answers again it re-registers if needed and replaces its
 whole block set from ``snapshot()``. Replaying events that the snapshot already reflects is
 harmless (each event sets block membership, last write wins), so no event is ever lost.
-Redis trouble never raises out of ``run()``; it is retried with capped exponential backoff.
+Redis trouble never raises out of ``run()``; it is retried with capped exponential backoff,
+and logged as a warning when it starts and once a minute while it lasts (with Redis' reason: a
+wrong password in a deployed config shows up in the worker logs, not only as load-only routing).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ LoadFn = Callable[[], WorkerLoad | Awaitable[WorkerLoad]]
 _MAX_BATCH_BLOCKS = 2048  # keeps one apply well inside the index deadline
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
+_WARN_EVERY_S = 60.0
 
 
 async def _maybe_await(value: T | Awaitable[T]) -> T:
@@ -119,6 +122,8 @@ class EventPublisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        self._down_since: float | None = None  # monotonic time of the first failed call
+        self._next_warning = 0.0
 
     # -- engine thread ---------------------------------------------------------------------
 
@@ -178,6 +183,23 @@ class EventPublisher:
             await asyncio.sleep(0.01)
         return False
 
+    def _note_down(self, exc: Exception) -> None:
+        """Warn when the index stops answering, then once a minute while it stays down."""
+        now = time.monotonic()
+        if self._down_since is None:
+            self._down_since = now
+        if now >= self._next_warning:
+            self._next_warning = now + _WARN_EVERY_S
+            log.warning("prefix index unavailable for %.0f s, %s keeps retrying: %s",
+                        now - self._down_since, self.replica_id, exc)
+
+    def _note_up(self) -> None:
+        if self._down_since is not None:
+            log.info("prefix index available again after %.1f s (%s)",
+                        time.monotonic() - self._down_since, self.replica_id)
+            self._down_since = None
+            self._next_warning = 0.0
+
     # -- event loop ------------------------------------------------------------------------
 
     def start(self) -> asyncio.Task:
@@ -208,10 +230,13 @@ class EventPublisher:
                     next_gc = time.monotonic() + self.gc_interval_s
                     await self.index.gc()
                 backoff = _BACKOFF_MIN_S
+                self._note_up()
             except (IndexUnavailable, UnknownWorker) as exc:
                 self.stats.failures += 1
                 if isinstance(exc, UnknownWorker):
                     self._worker_id = None
+                else:
+                    self._note_down(exc)
                 log.debug("index unavailable (%s); retrying in %.2fs", exc, backoff)
                 await self._sleep(backoff * random.uniform(0.5, 1.0))
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
@@ -257,3 +258,20 @@ async def test_newer_incarnation_fences_the_old_publisher(
     finally:
         await old.close(deregister=False)
         await new.close()
+
+
+async def test_a_wrong_password_is_one_warning_with_the_reason(model: str, caplog) -> None:
+    server = LocalRedis(password="right").start()
+    holder: list[FakeEngine] = []
+    pub = await make(f"redis://:wrong@127.0.0.1:{server.port}/0", model, "W9", holder)
+    try:
+        with caplog.at_level(logging.WARNING, logger="router.publisher"):
+            pub.start()
+            await asyncio.sleep(1.5)  # several retries (backoff from 50 ms)
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert pub.stats.failures >= 3 and not pub.registered
+        assert len(warnings) == 1, warnings  # not one per retry
+        assert "invalid username-password" in warnings[0] and "wrong" not in warnings[0]
+    finally:
+        await pub.close()
+        server.close()
