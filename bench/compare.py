@@ -16,7 +16,7 @@ from typing import Any
 
 from bench.cli import make_spec, make_workload, parse_rates, write_outputs
 from bench.launch import ensure_ray, local_cluster, shutdown
-from bench.report import format_side_by_side
+from bench.report import format_side_by_side, ratio
 from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep
 from cluster.local_redis import free_port
@@ -120,14 +120,9 @@ def side_by_side(runs: dict[str, list[list[RunResult]]],
         lines = [f"=== {title} ===", format_side_by_side(summaries)]
         for name in names[1:] if launches > 1 else []:
             for key, label in RATIO_KEYS:
-                ratios = [_ratio(runs[name][k][i].summary, runs[base][k][i].summary, key)
-                          for k in range(launches)]
+                ratios = [ratio(runs[name][k][i].summary.get(key),
+                                runs[base][k][i].summary.get(key)) for k in range(launches)]
                 lines.append(f"{name}/{base} {label} per launch: " + " ".join(ratios))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 
-
-def _ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> str:
-    x, y = a.get(key), b.get(key)
-    return f"{x / y:.2f}x" if isinstance(x, int | float) and isinstance(y, int | float) and y \
-        else "-"

@@ -87,12 +87,13 @@ def format_side_by_side(runs: Mapping[str, Mapping[str, Any]], baseline: str | N
         present.update({k: v for k, v in summary.items() if v is not None and k not in present})
     for key, label in table_rows({**first, **present}):
         cells = "".join(f"{_fmt(key, runs[n].get(key)):>15}" for n in names)
-        cells += "".join(f"{_ratio(runs[n].get(key), runs[base].get(key)):>15}" for n in others)
+        cells += "".join(f"{ratio(runs[n].get(key), runs[base].get(key)):>15}" for n in others)
         lines.append(f"{label[:33]:<34}{cells}")
     return "\n".join(lines)
 
 
-def _ratio(a: Any, b: Any) -> str:
+def ratio(a: Any, b: Any) -> str:
+    """`a / b` as `1.23x`; `-` when either is missing or `b` is zero."""
     if a is None or b is None or not b:
         return "-"
     return f"{a / b:.2f}x"

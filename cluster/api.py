@@ -68,7 +68,7 @@ app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 app.add_middleware(Guard)
 WORKER_HEADER = "x-prefixserve-worker"
 CAPACITY_TIMEOUT_S = 10.0
-MAX_WORKER_RETRIES = 2  # re-sends of a prompt whose worker died before its first output
+MAX_WORKER_RETRIES = 2  # re-sends of a prompt whose worker died before the client saw any of it
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:

@@ -146,29 +146,33 @@ def safe_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-async def check_redis(url: str, timeout_s: float = 5.0) -> None:
-    """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
-    unreachable) instead of serving with prefix routing silently off."""
-    client = _connect(url, timeout_s)
+def unavailable(exc: BaseException, url: str) -> IndexUnavailable:
+    """Redis' failure in words an operator can act on (wrong password, TLS), password masked."""
     where = safe_url(url)
-    try:
-        await asyncio.wait_for(client.ping(), timeout_s)
-    except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
         if urlsplit(url).password is None:
             reason = "requires a password and the URL has none"
         else:
             reason = f"rejected the password ({exc})"
-        raise IndexUnavailable(
+        return IndexUnavailable(
             f"Redis at {where} {reason}: use redis://:PASSWORD@host:port "
             f"(or redis://USER:PASSWORD@host:port)"
-        ) from None
+        )
+    plain = url.startswith("redis://")
+    hint = "is it up? a TLS port needs rediss://" if plain else "is it up, with TLS?"
+    return IndexUnavailable(
+        f"cannot use Redis at {where}: {type(exc).__name__}: {str(exc) or 'no reply'} ({hint})"
+    )
+
+
+async def check_redis(url: str, timeout_s: float = 5.0) -> None:
+    """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
+    unreachable) instead of serving with prefix routing silently off."""
+    client = _connect(url, timeout_s)
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
     except (RedisError, OSError, asyncio.TimeoutError) as exc:
-        plain = url.startswith("redis://")
-        hint = "is it up? a TLS port needs rediss://" if plain else "is it up, with TLS?"
-        raise IndexUnavailable(
-            f"cannot use Redis at {where}: {type(exc).__name__}: {str(exc) or 'no reply'} "
-            f"({hint})"
-        ) from None
+        raise unavailable(exc, url) from None
     finally:
         await client.aclose()
 
@@ -224,6 +228,7 @@ class PrefixIndex:
         self.admin_deadline_s = max(admin_deadline_s, deadline_s)
         self.lease_ttl_ms = max(1, int(lease_ttl_s * 1000))
         self.predict_ttl_ms = max(1, int(predict_ttl_s * 1000))
+        self._url = url
         self._redis = _connect(url, self.admin_deadline_s)
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
@@ -254,10 +259,8 @@ class PrefixIndex:
         except asyncio.TimeoutError:
             msg = f"redis did not answer within {deadline * 1000:.0f} ms"
             raise IndexUnavailable(msg) from None
-        except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
-            raise IndexUnavailable(f"redis rejected the credentials: {exc}") from exc
         except (RedisError, OSError) as exc:
-            raise IndexUnavailable(f"redis error: {exc!r}") from exc
+            raise unavailable(exc, self._url) from exc
 
     def _run(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
         return self._scripts[name](keys=keys, args=args)
