@@ -34,9 +34,11 @@ from bench.metrics import parse_goodput
 from bench.report import (
     format_side_by_side,
     format_summary,
+    median_summary,
     plot_rate_curves,
     plot_ttft_cdf,
     plot_worker_load,
+    pooled_label,
     save_json,
 )
 from bench.runner import RunResult, RunSpec, WorkloadFn, run_sweep
@@ -224,15 +226,36 @@ def write_outputs(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     if args.no_plots:
         return files
     base = _slug(args.label or args.workload)
-    files.append(plot_ttft_cdf({r.label: r.results for p in runs.values() for r in p},
+    # Repeated launches (`name#k`) are pooled: one CDF per policy and rate over all of their
+    # requests, and the median of their summaries on the rate curves.
+    pooled: dict[str, list[RunResult]] = {}
+    for p in runs.values():
+        for r in p:
+            pooled.setdefault(pooled_label(r.label), []).append(r)
+    files.append(plot_ttft_cdf({label: [x for r in rs for x in r.results]
+                                for label, rs in pooled.items()},
                                out_dir / f"{base}-ttft-cdf.png"))
-    if any(len(p) > 1 for p in runs.values()):
-        curves = {name: [(r.request_rate, r.summary) for r in p] for name, p in runs.items()}
+    curves: dict[str, list[tuple[float, dict[str, Any]]]] = {}
+    for label, rs in pooled.items():
+        curves.setdefault(label.split("@")[0], []).append(
+            (rs[0].request_rate, median_summary([r.summary for r in rs])))
+    if any(len(points) > 1 for points in curves.values()):
         files.append(plot_rate_curves(curves, out_dir / f"{base}-vs-rate.png"))
-    last = {r.label: r.summary for p in runs.values() for r in p}
-    if any(s.get("per_worker_requests") for s in last.values()):
-        files.append(plot_worker_load(last, out_dir / f"{base}-worker-load.png"))
+    loads = {label: {"per_worker_requests": busiest_first_sums(rs)} for label, rs in pooled.items()}
+    if any(s["per_worker_requests"] for s in loads.values()):
+        files.append(plot_worker_load(loads, out_dir / f"{base}-worker-load.png"))
     return files
+
+
+def busiest_first_sums(runs: list[RunResult]) -> dict[str, int]:
+    """Requests per worker rank (busiest first), summed over launches: replica ids differ
+    between launches, ranks do not."""
+    sums: dict[str, int] = {}
+    for r in runs:
+        counts = sorted((r.summary.get("per_worker_requests") or {}).values(), reverse=True)
+        for rank, n in enumerate(counts):
+            sums[f"#{rank + 1}"] = sums.get(f"#{rank + 1}", 0) + n
+    return sums
 
 
 def _slug(text: str) -> str:

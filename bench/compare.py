@@ -11,12 +11,12 @@ import argparse
 import asyncio
 import json
 import math
-import statistics
 from typing import Any
 
 from bench.cli import make_spec, make_workload, parse_rates, write_outputs
 from bench.launch import ensure_ray, local_cluster, shutdown
-from bench.report import format_side_by_side, ratio
+from bench.machine import cpu_measure
+from bench.report import format_side_by_side, median_summary, ratio
 from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep
 from cluster.local_redis import free_port
@@ -47,11 +47,12 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
     repeats = getattr(args, "repeats", 1)
     if repeats < 1:
         raise SystemExit("--repeats must be >= 1")
-    measure = None
+    measures = []
     if getattr(args, "router_metrics", False):
         port = free_port()
         ensure_ray(metrics_export_port=port, metrics_report_interval_ms=REPORT_INTERVAL_MS)
-        measure = measurer(port)
+        measures.append(measurer(port))
+    measures.append(cpu_measure())  # the cluster runs in this process tree: see bench/machine
     runs: dict[str, list[list[RunResult]]] = {p: [] for p in policies}
     for rep in range(repeats):
         for policy in policies:
@@ -62,7 +63,7 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
                                num_workers=args.num_workers, policy=policy, **options) as cluster:
                 spec = make_spec(args, cluster.base_url, args.model or cluster.model)
                 runs[policy].append(asyncio.run(run_sweep(spec, workload, rates, label=label,
-                                                          measure=measure)))
+                                                          measures=measures)))
     return runs
 
 
@@ -81,16 +82,6 @@ def compare(args: argparse.Namespace) -> int:
     for f in write_outputs(args, flat):
         print(f"wrote {f}")
     return 0 if all(r.summary["completed"] for p in flat.values() for r in p) else 1
-
-
-def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per figure, the median over launches; what is not a number is the first launch's."""
-    out = dict(summaries[0])
-    for key in summaries[0]:
-        values = [s.get(key) for s in summaries]
-        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-            out[key] = statistics.median(values)
-    return out
 
 
 RATIO_KEYS = (("request_throughput", "throughput"), ("median_ttft_ms", "TTFT p50"),
@@ -123,6 +114,11 @@ def side_by_side(runs: dict[str, list[list[RunResult]]],
                 ratios = [ratio(runs[name][k][i].summary.get(key),
                                 runs[base][k][i].summary.get(key)) for k in range(launches)]
                 lines.append(f"{name}/{base} {label} per launch: " + " ".join(ratios))
+        for name in names if launches > 1 else []:
+            other = [runs[name][k][i].summary.get("other_cpu_cores") for k in range(launches)]
+            if None not in other:
+                lines.append(f"{name} CPU of other processes per launch (cores): "
+                             + " ".join(f"{c:.2f}" for c in other))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

@@ -52,16 +52,20 @@ def local_cluster(port: int = 0, start_timeout_s: float = 180.0,
     """Run the prefixserve app built from ClusterConfig(**options) until the block exits."""
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import build_app, serve_logging
 
     global _serve_port
     port = port or _serve_port or free_port()
     if _serve_port is not None and port != _serve_port:
         raise ValueError(f"Serve already listens on port {_serve_port}; cannot move to {port}")
     with LocalRedis() as redis:
-        config = ClusterConfig(**{"redis_url": redis.url, **options, "port": port})
+        # No access log by default: a line per request and per worker call costs CPU the
+        # workers would use, and floods the benchmark's terminal (access_log=true brings it back).
+        config = ClusterConfig(**{"redis_url": redis.url, "access_log": False, **options,
+                                  "port": port})
         ensure_ray()
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config=serve_logging(config))
         _serve_port = port
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         try:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,9 @@ _HEAD = [
     ("mean_router_latency_ms", "Mean routing latency (ms)", "{:.3f}"),
     ("median_router_latency_ms", "Median routing latency (ms)", "{:.3f}"),
     ("p99_router_latency_ms", "P99 routing latency (ms)", "{:.3f}"),
+    ("own_cpu_cores", "CPU of this benchmark (cores)", "{:.2f}"),
+    ("other_cpu_cores", "CPU of other processes (cores)", "{:.2f}"),
+    ("stolen_cpu_cores", "CPU stolen by other VMs (cores)", "{:.2f}"),
 ]
 
 
@@ -99,6 +104,16 @@ def ratio(a: Any, b: Any) -> str:
     return f"{a / b:.2f}x"
 
 
+def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per figure, the median over launches; what is not a number is the first launch's."""
+    out = dict(summaries[0])
+    for key in summaries[0]:
+        values = [s.get(key) for s in summaries]
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.median(values)
+    return out
+
+
 def save_json(path: Path, summary: Mapping[str, Any], config: Mapping[str, Any],
               results: Sequence[RequestResult] | None = None) -> None:
     """Write config + summary; with results also vLLM's per-request lists (`input_lens`,
@@ -135,21 +150,32 @@ def _pyplot():
     return plt
 
 
+def pooled_label(label: str) -> str:
+    """`prefix#2@16` -> `prefix@16`: the launches of one policy and rate share a plot line."""
+    return re.sub(r"#\d+(?=@|$)", "", label)
+
+
 def plot_ttft_cdf(runs: Mapping[str, Sequence[RequestResult]], path: Path) -> Path:
-    """TTFT CDF, one line per run."""
+    """TTFT CDF, one line per run label (`name@rate`): a colour per name, a dash per rate."""
     import numpy as np
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, results in runs.items():
+    names = list(dict.fromkeys(label.split("@")[0] for label in runs))
+    rates = list(dict.fromkeys(label.partition("@")[2] for label in runs))
+    dashes = ["-", "--", ":", "-."]
+    for label, results in runs.items():
+        name, _, rate = label.partition("@")
         ttfts = np.sort([r.ttft * 1000 for r in results if r.success])
         if len(ttfts):
-            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=name)
+            ax.step(ttfts, np.arange(1, len(ttfts) + 1) / len(ttfts), where="post", label=label,
+                    color=f"C{names.index(name) % 10}",
+                    linestyle=dashes[rates.index(rate) % len(dashes)])
     ax.set_xlabel("TTFT (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT CDF")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small", loc="lower right")
     return _save(fig, plt, path)
 
 

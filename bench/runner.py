@@ -60,17 +60,18 @@ Measure = Callable[[], Awaitable[Callable[[], Awaitable[dict[str, Any]]]]]
 
 
 async def run_sweep(spec: RunSpec, workload: WorkloadFn, rates: Sequence[float],
-                    label: str = "run", measure: Measure | None = None) -> list[RunResult]:
+                    label: str = "run", measures: Sequence[Measure] = ()) -> list[RunResult]:
     """One run per request rate. Each point draws fresh tokens (seed + i) with the same
-    structure, so an earlier point's cached prefixes cannot flatter a later one."""
+    structure, so an earlier point's cached prefixes cannot flatter a later one. Measures
+    start in order and finish in reverse, so the last one brackets the run most tightly."""
     out = []
     for i, rate in enumerate(rates):
         shape = replace(spec.shape, request_rate=rate, seed=spec.shape.seed + i)
         point = replace(spec, shape=shape, tokens=replace(spec.tokens, seed=spec.tokens.seed + i))
         name = f"{label}@{'inf' if math.isinf(rate) else f'{rate:g}'}"
-        finish = await measure() if measure is not None else None
+        finishers = [await start() for start in measures]
         result = await run_once(point, workload, label=name)
-        if finish is not None:
+        for finish in reversed(finishers):
             result.summary.update(await finish())
         out.append(result)
     return out

@@ -23,6 +23,7 @@ from typing import Any
 
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import LoggingConfig
 
 from cluster.api import OpenAIIngress
 from cluster.config import ClusterConfig
@@ -54,7 +55,8 @@ def build_app(config: ClusterConfig) -> Application:
             "predict_ttl_s": config.predict_ttl_s,
         },
     )
-    workers = workers.options(graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s)
+    workers = workers.options(graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+                              logging_config=serve_logging(config))
     if config.max_workers_per_node is not None:
         workers = workers.options(max_replicas_per_node=config.max_workers_per_node)
     if config.policy == "round_robin":
@@ -75,11 +77,18 @@ def build_app(config: ClusterConfig) -> Application:
         ray_actor_options={"num_cpus": config.cpus_per_ingress},
         max_ongoing_requests=config.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+        logging_config=serve_logging(config),
     )
     # A fresh secret per deploy keys the tenants' cache namespaces: nothing in the index can be
     # recomputed from a guessed prompt (a redeploy starts every tenant's cache cold).
     return ingress.bind(worker_app, model_path, model_name, config.max_model_len,
                         guard_settings(config), os.urandom(32))
+
+
+def serve_logging(config: ClusterConfig) -> LoggingConfig:
+    """Serve's logging for the app's replicas, and for the proxy where prefixserve starts
+    Serve itself (`serve.start(logging_config=...)`)."""
+    return LoggingConfig(enable_access_log=config.access_log)
 
 
 def guard_settings(config: ClusterConfig) -> GuardSettings:

@@ -128,7 +128,7 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app
+    from cluster.app import build_app, serve_logging
 
     stop = threading.Event()
 
@@ -139,7 +139,8 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
     local = args.address is None
     ray.init(address=args.address or "local", include_dashboard=args.dashboard if local else None)
     try:
-        serve.start(http_options={"host": config.host, "port": config.port})
+        serve.start(http_options={"host": config.host, "port": config.port},
+                    logging_config=serve_logging(config))
         app = build_app(config)
         print(f"prefixserve: starting {config.num_workers} worker(s) of {config.model_name()} "
               f"({'GPU' if config.on_gpu else 'CPU'}, policy {config.policy}) ...")

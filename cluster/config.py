@@ -113,6 +113,9 @@ class ClusterConfig(BaseModel):
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0.0, description="How long a stopping ingress or worker replica lets "
         "in-flight requests (streams included) finish")
+    access_log: bool = Field(
+        True, description="Serve's log line per request and per worker call (ingress, workers, "
+        "and the proxy where prefixserve starts Serve); `bench` turns it off")
     api_keys: dict[str, str] = Field(
         default_factory=_api_keys_from_env, validate_default=True, repr=False,
         description=f"API key -> tenant, as a JSON object or a JSON file's path; env "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -52,3 +53,10 @@ def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: floa
             return True
         time.sleep(interval_s)
     return bool(predicate())
+
+
+def replica_logs(app: str, deployment: str) -> str:
+    """What the replicas of `deployment` in `app` wrote to their Serve log files so far."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
+    return "".join(p.read_text(errors="replace")
+                   for p in sorted(logs.glob(f"replica_{app}_{deployment}_*.log")))

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 from ray import serve
-from servekit import serve_app
+from servekit import replica_logs, serve_app, wait_for
 
 from cluster.api import WORKER_HEADER, _sse_body
 from cluster.config import ClusterConfig
@@ -333,3 +333,10 @@ def test_prometheus_metrics_per_worker(base_url: str) -> None:
     assert all(found.values()), [n for n, lines in found.items() if not lines]
     hits = [ln for ln in found["ray_prefixserve_prefix_cache_hits"] if 'worker="' in ln]
     assert hits and max(float(ln.rsplit(" ", 1)[1]) for ln in hits) > 0
+
+
+def test_access_log_has_a_line_per_request_by_default(base_url: str) -> None:
+    resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200
+    assert wait_for(lambda: "POST /v1/completions 200" in replica_logs(APP, "OpenAIIngress"), 10)
+    assert "CALL generate OK" in replica_logs(APP, "LLMWorker")

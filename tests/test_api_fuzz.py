@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from servekit import serve_app
+from servekit import replica_logs, serve_app
 
 from bench.fuzz_api import fuzz
 from cluster.config import ClusterConfig
@@ -29,6 +29,7 @@ def base_url(redis_server: LocalRedis) -> Iterator[str]:
     config = ClusterConfig(
         redis_url=redis_server.url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=64, max_model_len=128, max_num_seqs=32, max_request_bytes=MAX_BODY,
+        access_log=False,
     )
     with serve_app(config, APP) as url:
         yield url
@@ -105,3 +106,12 @@ def test_wrong_method_and_path_are_enveloped(base_url: str) -> None:
     for r in (httpx.get(f"{base_url}/v1/completions"), httpx.post(f"{base_url}/v2/x", json={})):
         assert r.status_code in (404, 405)
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_access_log_off_leaves_no_line_per_request(base_url: str) -> None:
+    resp = httpx.post(f"{base_url}{CMPL}", json={"prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200
+    for deployment in ("OpenAIIngress", "LLMWorker"):
+        log = replica_logs(APP, deployment)
+        assert "Finished initializing replica" in log, deployment  # the right files
+        assert "POST /v1/" not in log and "CALL generate" not in log, deployment

@@ -72,17 +72,23 @@ def test_run_sweep_merges_measured_figures(monkeypatch: pytest.MonkeyPatch) -> N
         calls.append(f"run {label}")
         return runner.RunResult(label, {"completed": 1}, [], spec.shape.request_rate)
 
-    async def measure():
-        calls.append("before")
+    def measure(name: str, figures: dict):
+        async def start():
+            calls.append(f"{name} before")
 
-        async def finish() -> dict:
-            calls.append("after")
-            return {"router_latency_samples": 3}
+            async def finish() -> dict:
+                calls.append(f"{name} after")
+                return figures
 
-        return finish
+            return finish
+
+        return start
 
     monkeypatch.setattr(runner, "run_once", fake_run_once)
     spec = runner.RunSpec(None, runner.LoadShape(), runner.Tokens(256, 0))  # type: ignore[arg-type]
-    points = asyncio.run(run_sweep(spec, lambda t: [], [1.0, 2.0], label="p", measure=measure))
-    assert calls == ["before", "run p@1", "after", "before", "run p@2", "after"]
-    assert all(p.summary == {"completed": 1, "router_latency_samples": 3} for p in points)
+    measures = [measure("a", {"router_latency_samples": 3}), measure("b", {"own_cpu_cores": 1.5})]
+    points = asyncio.run(run_sweep(spec, lambda t: [], [1.0, 2.0], label="p", measures=measures))
+    once = ["a before", "b before", "run p@{}", "b after", "a after"]
+    assert calls == [c.format(1) for c in once] + [c.format(2) for c in once]
+    assert all(p.summary == {"completed": 1, "router_latency_samples": 3, "own_cpu_cores": 1.5}
+               for p in points)
