@@ -40,6 +40,38 @@ def test_token_budget_chunks_prefill_and_mixes_decodes() -> None:
     assert run_step(sched) == {"a": 1, "b": 1, "c": 1}
 
 
+def shared(name: str, prefix: int, tail: int, tail_first: int) -> Sequence:
+    """A prompt of `prefix` tokens 0..prefix-1 (shared by every such sequence) and its own tail."""
+    tokens = [*range(prefix), *range(tail_first, tail_first + tail)]
+    hasher = BlockHasher(BS, b"\x00" * 16)
+    hasher.append(tokens)
+    return Sequence(name, name, 0, tokens, len(tokens), SamplingParams(), hasher)
+
+
+def test_queued_backlog_leaves_out_the_prefix_waiting_prompts_will_hit() -> None:
+    sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=1, max_num_batched_tokens=100)
+    sched.add(shared("first", 16, 6, 1000))
+    run_step(sched)  # computes and caches the 16-token prefix (4 blocks)
+    # Waiting behind it: two prompts on the cached prefix, then a new prefix twice (the second
+    # hits what the first will compute), then one that matches only 2 cached blocks.
+    for s in (shared("a", 16, 6, 2000), shared("b", 16, 3, 3000),
+              seq("c", 12, 500), seq("d", 14, 500), shared("e", 9, 11, 4000)):
+        sched.add(s)
+    assert len(sched.waiting) == 5
+    assert sched.queued_prefill_tokens() == 6 + 3 + 12 + (14 - 12) + (20 - 8)
+
+
+def test_queued_backlog_counts_whole_prompts_without_prefix_caching() -> None:
+    sched = Scheduler(KVCacheManager(64, BS, enable_caching=False), max_num_seqs=1,
+                      max_num_batched_tokens=100)
+    sched.add(shared("first", 16, 6, 1000))
+    run_step(sched)
+    sched.add(shared("a", 16, 6, 2000))
+    sched.add(seq("c", 12, 500))
+    sched.add(seq("d", 14, 500))
+    assert sched.queued_prefill_tokens() == 22 + 12 + 14
+
+
 def test_max_num_seqs_caps_admission() -> None:
     sched = Scheduler(KVCacheManager(64, BS), max_num_seqs=2, max_num_batched_tokens=100)
     for i in range(3):

@@ -134,7 +134,10 @@ class _Stream:
 class EngineLoop(threading.Thread):
     """The one thread that touches the engine."""
 
-    def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.02) -> None:
+    # Routers read a worker's load every second or two; a snapshot a tenth of a second old is
+    # fresh enough, and taking it (the queued backlog walks the waiting prompts' block hashes)
+    # stays off most steps.
+    def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.1) -> None:
         super().__init__(name="prefixserve-engine", daemon=True)
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -22,7 +22,7 @@ Invariants (tests/test_kv_cache.py checks them):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -212,6 +212,18 @@ class KVCacheManager:
 
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
+
+    def expected_hit_blocks(self, hashes: Sequence[bytes], num_tokens: int,
+                            coming: Container[bytes] = ()) -> int:
+        """Leading blocks a waiting sequence would hit if admitted now: cached in the pool, or
+        in ``coming`` (blocks that sequences ahead of it will have computed by then)."""
+        if not self.enable_caching:
+            return 0
+        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
+        for i, block_hash in enumerate(hashes[:limit]):
+            if block_hash not in self.pool.cached and block_hash not in coming:
+                return i
+        return limit
 
     def computed_blocks(self, hashes: Sequence[bytes], num_tokens: int) -> list[Block]:
         """The longest cached chain for a sequence of ``num_tokens`` tokens.

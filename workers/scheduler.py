@@ -93,12 +93,23 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def queued_prefill_tokens(self) -> int:
-        """Tokens still to prefill: waiting prompts plus unfinished chunks of running ones."""
-        total = sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        """Tokens still to compute: unfinished chunks of running prompts, and waiting prompts
+        less the prefix they are expected to hit (cached now, or computed by a sequence ahead
+        of them). Routers compare this backlog across workers: a worker whose queue holds a
+        group of requests behind one shared prefix must not look as busy as one that has to
+        compute every prompt in full."""
+        total = 0
+        bs = self.kv.block_size
+        coming: set[bytes] = set()  # blocks not cached yet that sequences ahead will compute
         for s in self.running:
             left = s.num_tokens - s.num_computed_tokens
             if left > 1:
                 total += left
+                coming.update(s.hashes[s.num_computed_tokens // bs:])
+        for s in self.waiting:
+            hits = self.kv.expected_hit_blocks(s.hashes, s.num_tokens, coming)
+            total += s.num_tokens - max(s.num_computed_tokens, hits * bs)
+            coming.update(s.hashes[hits:])
         return total
 
     def schedule(self) -> SchedulerOutput:
