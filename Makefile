@@ -27,7 +27,7 @@ serve: setup
 bench: setup
 	$(BIN)/python -m bench compare --num-workers 2 --workload shared-prefix \
 		--num-groups 16 --prompts-per-group 8 --system-len 1024 --question-len 64 \
-		--output-len 32 --ignore-eos --request-rate 11,16,inf --repeats 3 \
+		--output-len 32 --ignore-eos --request-rate 11,16,20,inf --repeats 3 \
 		--cluster-option num_blocks=704 --cluster-option max_num_seqs=16 \
 		--cluster-option stream_interval=8 $(ARGS)
 
