@@ -121,4 +121,3 @@ def side_by_side(runs: dict[str, list[list[RunResult]]],
                              + " ".join(f"{c:.2f}" for c in other))
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
-

@@ -213,28 +213,28 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
+    def _reusable(self, hashes: Sequence[bytes], num_tokens: int) -> Sequence[bytes]:
+        """Hashes of the blocks a sequence of ``num_tokens`` tokens may take from the cache:
+        none without caching, and never the block of its last token (its logits are needed,
+        so that token is always recomputed)."""
+        if not self.enable_caching:
+            return ()
+        return hashes[: (num_tokens - 1) // self.block_size]
+
     def expected_hit_blocks(self, hashes: Sequence[bytes], num_tokens: int,
                             coming: Container[bytes] = ()) -> int:
         """Leading blocks a waiting sequence would hit if admitted now: cached in the pool, or
         in ``coming`` (blocks that sequences ahead of it will have computed by then)."""
-        if not self.enable_caching:
-            return 0
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
-        for i, block_hash in enumerate(hashes[:limit]):
+        reusable = self._reusable(hashes, num_tokens)
+        for i, block_hash in enumerate(reusable):
             if block_hash not in self.pool.cached and block_hash not in coming:
                 return i
-        return limit
+        return len(reusable)
 
     def computed_blocks(self, hashes: Sequence[bytes], num_tokens: int) -> list[Block]:
-        """The longest cached chain for a sequence of ``num_tokens`` tokens.
-
-        Capped below the last token: its logits are needed, so it must be recomputed.
-        """
-        if not self.enable_caching:
-            return []
-        limit = min(len(hashes), (num_tokens - 1) // self.block_size)
+        """The longest cached chain for a sequence of ``num_tokens`` tokens."""
         hits: list[Block] = []
-        for block_hash in hashes[:limit]:
+        for block_hash in self._reusable(hashes, num_tokens):
             block = self.pool.cached.get(block_hash)
             if block is None:
                 break
