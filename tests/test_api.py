@@ -19,7 +19,8 @@ from cluster.api import WORKER_HEADER, _sse_body
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from cluster.tokenizer import Tokenizer
-from workers.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
+from workers.builtin import ensure_builtin_model
+from workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-test"
 METRICS_PORT = free_port()
@@ -29,6 +30,7 @@ MAX_MODEL_LEN = 512
 @pytest.fixture(scope="module")
 def base_url(redis_server: LocalRedis) -> Iterator[str]:
     config = ClusterConfig(
+        model=BUILTIN_MODEL_NAME,
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
     )

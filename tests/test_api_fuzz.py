@@ -17,6 +17,7 @@ from servekit import replica_logs, serve_app
 from bench.fuzz_api import fuzz
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis
+from workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-fuzz-test"
 MAX_BODY = 256 * 1024
@@ -27,6 +28,7 @@ FUZZ_TIME_LIMIT_S = 40.0
 @pytest.fixture(scope="module")
 def base_url(redis_server: LocalRedis) -> Iterator[str]:
     config = ClusterConfig(
+        model=BUILTIN_MODEL_NAME,
         redis_url=redis_server.url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=64, max_model_len=128, max_num_seqs=32, max_request_bytes=MAX_BODY,
         access_log=False,

@@ -27,7 +27,7 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import free_port
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex, key_tag
-from workers.builtin import BUILTIN_MODEL_NAME
+from workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-guard-test"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -47,6 +47,7 @@ def redis_url(tls_redis: TlsRedis) -> str:
 @pytest.fixture(scope="module")
 def base_url(redis_url: str) -> Iterator[str]:
     config = ClusterConfig(
+        model=BUILTIN_MODEL_NAME,
         redis_url=redis_url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=NUM_BLOCKS, max_model_len=1024, max_num_seqs=16, api_keys=KEYS,
         max_queued_requests=MAX_IN_FLIGHT, max_request_bytes=MAX_BODY,

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.timeout(240)
 def test_compare_on_the_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "res"
     rc = main([
-        "compare", "--policies", "prefix", "--num-workers", "2",
+        "compare", "--policies", "prefix", "--num-workers", "2", "--model-path", "prefixserve-tiny",
         "--cluster-option", "max_num_seqs=8", "--cluster-option", "num_blocks=256",
         "--workload", "shared-prefix", "--num-groups", "2", "--prompts-per-group", "4",
         "--system-len", "96", "--question-len", "16", "--output-len", "6", "--ignore-eos",

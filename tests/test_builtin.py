@@ -10,8 +10,9 @@ from tokenizers import Tokenizer
 
 from workers.attention import AttentionMetadata
 from workers.builtin import BOS_ID, EOT_ID, VOCAB_SIZE, ensure_builtin_model
-from workers.loader import load_model, load_model_config
+from workers.loader import load_model
 from workers.model import allocate_kv_cache
+from workers.model_config import load_model_config
 
 
 @pytest.fixture(scope="module")

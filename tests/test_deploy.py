@@ -26,7 +26,7 @@ from cluster.app import app_builder
 from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from router.request_router import PrefixAwareRequestRouter
-from workers.builtin import BUILTIN_MODEL_NAME
+from workers.checkpoints import BUILTIN_MODEL_NAME
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"
@@ -124,7 +124,7 @@ def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
     (app,) = config["applications"]
     app["runtime_env"] = {"env_vars": {REDIS_URL_ENV: redis_url}}
     app["args"].update(
-        model=None, served_model_name=None, gpus_per_worker=0, cpus_per_worker=0.5,
+        model=BUILTIN_MODEL_NAME, served_model_name=None, gpus_per_worker=0, cpus_per_worker=0.5,
         dtype="float32", num_blocks=128, max_model_len=512, ingress_replicas=1,
     )
     deployments = {d["name"]: d for d in app["deployments"]}

@@ -27,7 +27,8 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex, WorkerInfo
-from workers.builtin import BUILTIN_MODEL_NAME, ensure_builtin_model
+from workers.builtin import ensure_builtin_model
+from workers.checkpoints import BUILTIN_MODEL_NAME
 from workers.engine import checkpoint_fingerprint
 
 LEASE_TTL_S = 3.0
@@ -47,7 +48,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     nodes = [cluster.add_node(num_cpus=1, resources={"accel": 1}) for _ in range(3)]
     config = ClusterConfig(
-        redis_url=redis_server.url, num_workers=3, max_workers_per_node=1,
+        model=BUILTIN_MODEL_NAME, redis_url=redis_server.url, num_workers=3, max_workers_per_node=1,
         worker_resources={"accel": 1}, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=512, max_num_seqs=8, lease_ttl_s=LEASE_TTL_S,
     )

@@ -42,6 +42,7 @@ from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex
 from router.request_router import NoSuchReplica
+from workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-faults"
 MODEL = "prefixserve-tiny"
@@ -53,6 +54,7 @@ pytestmark = pytest.mark.timeout(240)
 @pytest.fixture(scope="module")
 def cluster(redis_server: LocalRedis) -> Iterator[str]:
     config = ClusterConfig(
+        model=BUILTIN_MODEL_NAME,
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=48, max_model_len=512, max_num_seqs=16, lease_ttl_s=LEASE_TTL_S,
         lookup_deadline_s=0.05,

@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 
 from workers.attention import AttentionMetadata
 from workers.errors import UnsupportedModelError
-from workers.loader import load_model, load_model_config, parse_config
+from workers.loader import load_model
 from workers.model import allocate_kv_cache, copy_blocks, kv_bytes_per_token
+from workers.model_config import load_model_config, parse_config
 
 BS = 4  # small blocks so short prompts span many of them
 ATOL = 1e-4

@@ -10,7 +10,6 @@ folder name carries a version so a format change rebuilds it.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,7 +18,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-BUILTIN_MODEL_NAME = "prefixserve-tiny"
+from workers.checkpoints import default_cache_dir
+
 BUILTIN_VERSION = 1
 SPECIAL_TOKENS = (
     "<|begin_of_text|>",
@@ -61,10 +61,6 @@ CONFIG = {
     "eos_token_id": [END_OF_TEXT_ID, EOT_ID],
     "torch_dtype": "float32",
 }
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("PREFIXSERVE_CACHE") or Path.home() / ".cache" / "prefixserve")
 
 
 def ensure_builtin_model(cache_dir: Path | None = None) -> Path:

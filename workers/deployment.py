@@ -42,6 +42,7 @@ from router.events import KVEvent, WorkerLoad
 from router.index import PrefixIndex
 from router.publisher import EventPublisher
 from router.request import GenerateRequest
+from workers.checkpoints import resolve_checkpoint
 from workers.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
 from workers.errors import InvalidRequestError
 from workers.sampling import SamplingParams, TokenLogprob
@@ -291,6 +292,13 @@ def _rss_bytes() -> int:
         return 0
 
 
+def _load_engine(
+    model: str, config: EngineConfig, on_kv_events: Callable[[list[KVEvent]], None]
+) -> LLMEngine:
+    """The engine for `model`, resolved on this node (a GGUF converted once per node)."""
+    return LLMEngine.from_pretrained(resolve_checkpoint(model), config, on_kv_events)
+
+
 def _device(requested: str) -> str:
     """``auto``: in a Ray actor, the GPU Ray assigned to it (else CPU); elsewhere any GPU."""
     if requested != "auto":
@@ -308,7 +316,7 @@ class LLMWorker:
 
     async def __init__(
         self,
-        model_path: str,
+        model: str,
         engine: dict[str, Any] | None = None,
         redis_url: str | None = None,
         model_name: str = "",
@@ -319,7 +327,7 @@ class LLMWorker:
     ) -> None:
         """
         Args:
-            model_path: checkpoint directory (config.json + safetensors + tokenizer).
+            model: what `--model` names (`workers.checkpoints`), resolved on this node.
             engine: ``workers.engine.EngineConfig`` fields; ``device`` defaults to ``auto``
                 (the GPU Ray assigned, else CPU).
             redis_url: the prefix index; None serves without publishing.
@@ -347,7 +355,7 @@ class LLMWorker:
         config.device = _device(config.device)
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(
-            LLMEngine.from_pretrained, model_path, config, self._on_kv_events
+            _load_engine, model, config, self._on_kv_events
         )
         self.block_size = self.engine.block_size
         self.fingerprint = self.engine.model_fingerprint
@@ -620,7 +628,7 @@ def worker_deployment(
 
     ``router_kwargs`` go to ``PrefixAwareRequestRouter.initialize_state`` (redis_url, model,
     block_size, fingerprint, ...). With ``prefix_routing=False`` Serve's default power-of-two
-    router is used instead (the baseline). Bind with ``.bind(model_path, engine, redis_url,
+    router is used instead (the baseline). Bind with ``.bind(model, engine, redis_url,
     model_name, ...)``.
     """
     options = dict(ray_actor_options or {})

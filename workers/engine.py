@@ -23,6 +23,7 @@ import torch
 
 from router import blocks
 from router.events import KVEvent
+from workers.checkpoints import gguf_digest, is_gguf
 from workers.errors import InvalidRequestError
 from workers.kv_cache import KVCacheManager, cdiv
 from workers.loader import load_model, resolve_device, weight_files
@@ -123,9 +124,12 @@ def checkpoint_fingerprint(path: str | Path) -> str:
     """A name for the weights that every worker of the same checkpoint agrees on.
 
     SHA-256 over config.json and, per weight file, its name, size and first MiB of data (cheap
-    to read, and different for different weights of the same shape).
+    to read, and different for different weights of the same shape); for a GGUF file, over its
+    size, header and tail.
     """
     path = Path(path)
+    if is_gguf(path):
+        return gguf_digest(path)
     h = hashlib.sha256((path / "config.json").read_bytes())
     for f in weight_files(path):
         h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))

@@ -17,7 +17,7 @@ from torch import nn
 from workers.attention import AttentionMetadata, paged_attention
 
 if TYPE_CHECKING:
-    from workers.loader import ModelConfig
+    from workers.model_config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -163,6 +163,8 @@ def rope_inv_freq(c: ModelConfig) -> torch.Tensor:
         return inv
     if s["rope_type"] == "linear":
         return inv / s["factor"]
+    if s["rope_type"] == "freq_factors":  # GGUF's precomputed llama3 divisors
+        return inv / torch.tensor(s["factors"], dtype=torch.float32)
     # llama3: long wavelengths slowed by `factor`, short kept, a smooth blend in between.
     factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
     old_len = s["original_max_position_embeddings"]

