@@ -1,13 +1,18 @@
 """Engine throughput and TTFT against transformers' own continuous batching, same weights.
 
-    .venv/bin/python -m bench.engine_bench            # full size (several minutes on 2 cores)
+    .venv/bin/python -m bench.engine_bench            # the default real model, full size
     .venv/bin/python -m bench.engine_bench --quick    # scaled down
+    .venv/bin/python -m bench.engine_bench --device cuda --quick   # on a GPU (bf16)
+
+The model is any `--model` value (default: SmolLM2-135M-Instruct, dequantized from its GGUF);
+transformers loads the same dequantized weights from the converted checkpoint directory.
 
 Workloads: (a) 64 requests, prompts 64-512 tokens, outputs 32-256 tokens; (b) 32 requests that
 share a 1,024-token prefix, each with a 64-token unique suffix. Both engines decode greedily with
 EOS ignored, so they produce the same number of tokens; agreement of the token streams is
 reported too. Then the TTFT of a cold 2,048-token prompt vs a warm one with 1,984 tokens cached,
-and the share of the machine's GEMM FLOP/s (torch.mm) our engine achieves on (a).
+and the share of the machine's GEMM FLOP/s (torch.mm) our engine achieves on (a). Last, how long
+loading takes from the GGUF itself and from the converted directory a worker starts from.
 """
 
 from __future__ import annotations
@@ -19,35 +24,14 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from workers.checkpoints import DEFAULT_MODEL, is_gguf, locate, resolve_checkpoint
 from workers.engine import EngineConfig, LLMEngine
+from workers.model import to_dtype
+from workers.model_config import ModelConfig, load_model_config
 from workers.sampling import SamplingParams
-
-SHAPE = dict(
-    vocab_size=32000,
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-)
-
-
-def bench_checkpoint() -> Path:
-    """The fixed bench model (random weights), written once to the cache dir."""
-    root = Path(os.environ.get("PREFIXSERVE_CACHE", Path.home() / ".cache" / "prefixserve"))
-    path = root / "bench-llama-8x512-gqa4"
-    if not (path / "model.safetensors").is_file():
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(0)
-        config = LlamaConfig(**SHAPE, initializer_range=0.05, bos_token_id=1, eos_token_id=2)
-        LlamaForCausalLM(config).save_pretrained(path)
-    return path
 
 
 @dataclass
@@ -56,22 +40,21 @@ class Req:
     max_tokens: int
 
 
-def workload_a(n: int, scale: float, rng: random.Random) -> list[Req]:
+def tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """Random ordinary token ids (the first ids of real vocabularies are special tokens)."""
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def workload_a(n: int, scale: float, rng: random.Random, vocab: int) -> list[Req]:
     lo_p, hi_p, lo_o, hi_o = (int(x * scale) for x in (64, 512, 32, 256))
-    return [
-        Req(
-            [rng.randrange(3, 32000) for _ in range(rng.randint(lo_p, hi_p))],
-            rng.randint(lo_o, hi_o),
-        )
-        for _ in range(n)
-    ]
+    return [Req(tokens(rng, rng.randint(lo_p, hi_p), vocab), rng.randint(lo_o, hi_o))
+            for _ in range(n)]
 
 
-def workload_b(n: int, prefix_len: int, suffix_len: int, out: int, rng: random.Random):
-    prefix = [rng.randrange(3, 32000) for _ in range(prefix_len)]
-    return [
-        Req(prefix + [rng.randrange(3, 32000) for _ in range(suffix_len)], out) for _ in range(n)
-    ]
+def workload_b(n: int, prefix_len: int, suffix_len: int, out: int, rng: random.Random,
+               vocab: int) -> list[Req]:
+    prefix = tokens(rng, prefix_len, vocab)
+    return [Req(prefix + tokens(rng, suffix_len, vocab), out) for _ in range(n)]
 
 
 def run_ours(engine: LLMEngine, reqs: list[Req]) -> tuple[float, list[list[int]], int]:
@@ -142,35 +125,54 @@ def ttft(engine: LLMEngine, prompt: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def gemm_peak(n: int = 1024, reps: int = 10) -> float:
-    """FLOP/s of a square fp32 torch.mm: the machine's practical GEMM ceiling."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def gemm_peak(device: torch.device, dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    """FLOP/s of a square torch.mm in the engine's dtype: the machine's practical ceiling."""
+    if device.type == "cuda":
+        n, reps = 8192, 50
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
     torch.mm(a, b)
+    sync(device)
     start = time.perf_counter()
     for _ in range(reps):
         torch.mm(a, b)
+    sync(device)
     return 2 * n**3 * reps / (time.perf_counter() - start)
 
 
-def matmul_params() -> int:
+def matmul_params(c: ModelConfig) -> int:
     """Weights every token multiplies through (attention projections, MLP, LM head)."""
-    h, i, layers, heads, kvh = (
-        SHAPE[k]
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        )
-    )
-    d = h // heads
-    per_layer = h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * i
-    return layers * per_layer + h * SHAPE["vocab_size"]
+    h, d, heads, kvh = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_key_value_heads
+    per_layer = h * (heads + 2 * kvh) * d + heads * d * h + 3 * h * c.intermediate_size
+    return c.num_hidden_layers * per_layer + h * c.vocab_size
+
+
+def load_times(model: str, config: EngineConfig) -> tuple[float | None, float]:
+    """Seconds to an engine from the GGUF itself (None if the model is no GGUF) and from the
+    converted directory a worker starts from."""
+    path = resolve_checkpoint(model)
+    source = locate(model)
+    direct = None
+    if is_gguf(source):
+        start = time.perf_counter()
+        LLMEngine.from_pretrained(source, config)
+        direct = time.perf_counter() - start
+    start = time.perf_counter()
+    LLMEngine.from_pretrained(path, config)
+    return direct, time.perf_counter() - start
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help="a known model name, checkpoint directory or .gguf file")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--quick", action="store_true", help="scaled-down sizes (a few minutes)")
     ap.add_argument("--skip-hf", action="store_true", help="only our engine")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
@@ -178,11 +180,15 @@ def main() -> None:
         "--threads",
         type=int,
         default=1,
-        help="torch intra-op threads for BOTH engines (default 1: on a shared, oversubscribed "
-        "2-core VM, OpenMP GEMMs with 2 threads spin at barriers and run 5-10x slower)",
+        help="torch intra-op threads for BOTH engines on CPU (default 1: on a shared, "
+        "oversubscribed 2-core VM, OpenMP GEMMs with 2 threads spin at barriers and run 5-10x "
+        "slower)",
     )
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)  # HF's generation thread inherits it
+    device = torch.device(args.device)
+    dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)  # HF's generation thread inherits it
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if args.quick:
@@ -190,16 +196,21 @@ def main() -> None:
     else:
         na, scale_a, nb, prefix, suffix, out_b, ttft_len = 64, 1.0, 32, 1024, 64, 64, 2048
     cached_len = ttft_len - 64
+    path = resolve_checkpoint(args.model)
+    mc = load_model_config(path)
+    vocab = mc.vocab_size
     rng = random.Random(0)
-    reqs_a = workload_a(na, scale_a, rng)
-    reqs_b = workload_b(nb, prefix, suffix, out_b, rng)
-    path = bench_checkpoint()
+    reqs_a = workload_a(na, scale_a, rng, vocab)
+    reqs_b = workload_b(nb, prefix, suffix, out_b, rng, vocab)
     config = EngineConfig(
-        device="cpu",
-        kv_cache_memory_bytes=768 * 2**20,
+        device=args.device,
+        dtype=dtype,
+        kv_cache_memory_bytes=(8 * 2**30 if device.type == "cuda" else 768 * 2**20),
         max_num_seqs=64,
         max_num_batched_tokens=args.max_batched_tokens,
     )
+    direct_load, cached_load = load_times(args.model, config)
+    note(f"load: GGUF {direct_load} s, converted directory {cached_load:.1f} s")
     engine = LLMEngine.from_pretrained(path, config)
     ttft_engine = LLMEngine.from_pretrained(path, config)
     engine.generate([reqs_a[0].prompt[:32]], SamplingParams(max_tokens=2, temperature=0))  # warm-up
@@ -214,9 +225,10 @@ def main() -> None:
     note(f"ours (b): {out_b_total / t_b:.1f} tok/s in {t_b:.1f} s")
     hf = {}
     if not args.skip_hf:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=to_dtype(dtype)).eval()
+        model = model.to(device)
         run_hf(model, [Req(reqs_a[0].prompt[:32], 2)], args.max_batched_tokens)  # warm-up
         for name, reqs, n_out in (("a", reqs_a, out_a), ("b", reqs_b, out_b_total)):
             hf[name] = run_hf(model, reqs, args.max_batched_tokens)
@@ -233,25 +245,30 @@ def main() -> None:
         else:
             rows.append((name, len(reqs), ours, float("nan"), float("nan"), float("nan")))
 
-    base = [rng.randrange(3, 32000) for _ in range(ttft_len)]
+    base = tokens(rng, ttft_len, vocab)
     cold = ttft(ttft_engine, base)
-    ttft_engine.generate([base[:cached_len] + [5] * 8], SamplingParams(max_tokens=1))  # prime
-    warm_prompt = base[:cached_len] + [rng.randrange(3, 32000) for _ in range(64)]
+    ttft_engine.generate([base[:cached_len] + [105] * 8], SamplingParams(max_tokens=1))  # prime
+    warm_prompt = base[:cached_len] + tokens(rng, 64, vocab)
     warm = ttft(ttft_engine, warm_prompt)
     note(f"TTFT cold {cold:.2f} s, warm {warm:.2f} s")
 
-    peak = gemm_peak()
+    peak = gemm_peak(device, to_dtype(dtype))
     prompt_a = sum(len(r.prompt) for r in reqs_a)
-    achieved = 2 * matmul_params() * (prompt_a + out_a) / t_a
+    weights = matmul_params(mc)
+    achieved = 2 * weights * (prompt_a + out_a) / t_a
 
     print()
     print(
-        f"model: Llama, 8 layers, hidden 512, 8 query / 2 KV heads (GQA 4x), head_dim 64, "
-        f"FFN 1536, vocab 32000, fp32, random weights ({path})"
+        f"model: {args.model} ({mc.architecture}, {mc.num_hidden_layers} layers, hidden "
+        f"{mc.hidden_size}, {mc.num_attention_heads} query / {mc.num_key_value_heads} KV heads, "
+        f"head_dim {mc.head_dim}, FFN {mc.intermediate_size}, vocab {vocab}), {dtype} on "
+        f"{device} ({path})"
     )
+    threads = f"{torch.get_num_threads()} thread(s) for both engines; " if device.type == "cpu" \
+        else f"{torch.cuda.get_device_name(device)}; "
     print(
         f"machine: {os.cpu_count()} CPUs (load average {os.getloadavg()[0]:.1f}), torch "
-        f"{torch.__version__}, {torch.get_num_threads()} thread(s) for both engines; "
+        f"{torch.__version__}, {threads}"
         f"max_num_batched_tokens={args.max_batched_tokens}{' (--quick)' if args.quick else ''}"
     )
     print()
@@ -276,9 +293,11 @@ def main() -> None:
     )
     print(
         f"GEMM: torch.mm peak {peak / 1e9:.1f} GFLOP/s; engine on (a) achieves "
-        f"{achieved / 1e9:.1f} GFLOP/s (2 x {matmul_params() / 1e6:.1f}M matmul weights x "
+        f"{achieved / 1e9:.1f} GFLOP/s (2 x {weights / 1e6:.1f}M matmul weights x "
         f"{prompt_a + out_a} tokens / {t_a:.1f} s) = {achieved / peak:.0%} of peak"
     )
+    shown = "n/a (not a GGUF)" if direct_load is None else f"{direct_load:.1f} s"
+    print(f"engine load: from the GGUF {shown}; from the converted directory {cached_load:.1f} s")
 
 
 if __name__ == "__main__":

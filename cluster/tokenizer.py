@@ -76,19 +76,29 @@ def _decoder_types(spec: dict | None) -> set[str]:
     return types
 
 
+def _load(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
+    """The backend tokenizer and `tokenizer_config.json` of a checkpoint directory or a GGUF."""
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
+        from workers.gguf import GGUFFile  # numpy/torch: only when serving a GGUF
+        from workers.gguf_tokenizer import build_tokenizer, tokenizer_config
+
+        gguf = GGUFFile(path)
+        return build_tokenizer(gguf), tokenizer_config(gguf)
+    tok_file = path / "tokenizer.json"
+    if not tok_file.is_file():
+        raise TokenizerError(f"{tok_file} not found: prefixserve needs a fast tokenizer file")
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    return HFTokenizer.from_file(str(tok_file)), config
+
+
 class Tokenizer:
-    """A checkpoint's tokenizer: `tokenizer.json` (+ `tokenizer_config.json`, chat template)."""
+    """A checkpoint's tokenizer: `tokenizer.json` (+ `tokenizer_config.json`, chat template),
+    or the one in a `.gguf` file's metadata."""
 
     def __init__(self, path: str | Path) -> None:
         path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise TokenizerError(f"{tok_file} not found: prefixserve needs a fast tokenizer file")
-        self._tok = HFTokenizer.from_file(str(tok_file))
-        config: dict[str, Any] = {}
-        config_file = path / "tokenizer_config.json"
-        if config_file.is_file():
-            config = json.loads(config_file.read_text())
+        self._tok, config = _load(path)
         self.special_tokens = {
             name: content
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
