@@ -89,6 +89,15 @@ def _fail(message: str) -> int:
     return 2
 
 
+def invalid_config_message(exc: ValidationError) -> str:
+    """One line per bad field ("model: ..."), without pydantic's input echo and doc links."""
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "config"
+        lines.append(f"  {field}: {err['msg'].removeprefix('Value error, ')}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
 def serve_command(args: argparse.Namespace) -> int:
     from cluster.local_redis import LocalRedis, RedisBinaryNotFound
 
@@ -112,7 +121,7 @@ def serve_command(args: argparse.Namespace) -> int:
         try:
             config = ClusterConfig.model_validate(fields)
         except ValidationError as exc:
-            return _fail(f"invalid configuration:\n{exc}")
+            return _fail(invalid_config_message(exc))
         try:  # a bad checkpoint stops here, before Ray starts, not in a replica's constructor
             config.model_path()
         except (ValueError, OSError) as exc:

