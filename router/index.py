@@ -135,15 +135,25 @@ def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
     return Redis.from_url(url, health_check_interval=0, **options)
 
 
+_QUERY_PASSWORD = re.compile(r"(^|[&;])(password=)[^&;]*", re.IGNORECASE)
+
+
 def safe_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``: fit for logs and error messages."""
+    """``url`` with any password replaced by ``***``: fit for logs and error messages.
+
+    redis-py takes the password from the userinfo or from a ``?password=`` query parameter;
+    both are masked, the rest of the URL is left as written.
+    """
     parts = urlsplit(url)
-    if parts.password is None:
+    query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    if query == parts.query and netloc == parts.netloc:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def unavailable(exc: BaseException, url: str) -> IndexUnavailable:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import os
 import random
@@ -186,7 +187,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self._next_check = 0.0
         self._compatible: bool | None = None  # None until the start-up check could run
         self._local = LocalPredictions(predict_ttl_s)
-        # Keyed by id(PendingRequest): handle calls made while serving one request (an ingress
+        # Keyed by _request_key: handle calls made while serving one request (an ingress
         # fanning out a batch) share an internal_request_id, so that id is not a request key.
         self._contexts: dict[int, _Context] = {}
         self._routed: dict[int, _Routed] = {}
@@ -255,7 +256,7 @@ class PrefixAwareRequestRouter(RequestRouter):
             ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
 
         local = self._local.depths(ctx.chain, now) if ctx.chain else {}
-        pending = self._pending_by_worker(exclude=id(pending_request))
+        pending = self._pending_by_worker(exclude=_request_key(pending_request))
         views = []
         for replica in candidate_replicas:
             key = replica.replica_id.unique_id
@@ -311,7 +312,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Serve sent it (possibly not to our first choice): record and announce the truth."""
-        ctx = self._contexts.pop(id(pending_request), None)
+        ctx = self._contexts.pop(_request_key(pending_request), None)
         if ctx is None:
             return
         key = replica_id.unique_id
@@ -357,7 +358,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     # ------------------------------------------------------------------------------ helpers
 
     def _context(self, pr: PendingRequest, request: GenerateRequest, now: float) -> _Context:
-        ctx = self._contexts.get(id(pr))
+        ctx = self._contexts.get(_request_key(pr))
         if ctx is not None:
             return ctx
         tokens = request.prompt_token_ids
@@ -372,7 +373,7 @@ class PrefixAwareRequestRouter(RequestRouter):
                 struct.pack(f"<{min(len(tokens), 64)}I", *tokens[:64]), digest_size=16
             ).digest()
         ctx = _Context(chain, tie_key, max(1, len(tokens)), now)
-        self._contexts[id(pr)] = ctx
+        self._contexts[_request_key(pr)] = ctx
         if len(self._contexts) > 4096:  # requests cancelled before routing leave contexts
             for stale in [k for k, c in self._contexts.items() if now - c.created_at > 60]:
                 del self._contexts[stale]
@@ -384,7 +385,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         tokens = ctx.new_tokens.get(key, ctx.num_prompt_tokens)
         routed = _Routed(key, now, tokens, ctx.chain, ctx.depth.get(key, 0),
                          pr.metadata.internal_request_id)
-        self._routed[id(pr)] = routed
+        self._routed[_request_key(pr)] = routed
         if len(self._routed) > 10_000:  # requests cancelled before Serve sent them never complete
             for stale in [k for k, r in self._routed.items() if now - r.routed_at > 600]:
                 del self._routed[stale]
@@ -537,6 +538,24 @@ class PrefixAwareRequestRouter(RequestRouter):
 def _log_failure(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("worker compatibility check failed", exc_info=task.exception())
+
+
+_REQUEST_KEY = "_prefixserve_key"
+_request_keys = itertools.count()
+
+
+def _request_key(pr: PendingRequest) -> int:
+    """A key no other pending request of this process ever gets, kept on the request itself.
+
+    ``id(pr)`` is not one: once a request is gone its address is reused, and a new request
+    would inherit the old one's hash chain (a context left by a call cancelled before routing)
+    or overwrite its in-flight record.
+    """
+    key = getattr(pr, _REQUEST_KEY, None)
+    if key is None:
+        key = next(_request_keys)
+        setattr(pr, _REQUEST_KEY, key)
+    return key
 
 
 def _common_blocks(a: list[bytes], b: list[bytes]) -> int:

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
+from ray.serve._private.common import RequestMetadata
+from ray.serve.request_router import PendingRequest
+
 from router.blocks import hash_chain, namespace
-from router.request_router import LocalPredictions, _common_blocks, _Routed
+from router.request import GenerateRequest
+from router.request_router import (
+    LocalPredictions,
+    PrefixAwareRequestRouter,
+    _common_blocks,
+    _Routed,
+)
 
 NS = namespace("fp")
 A = hash_chain(list(range(16 * 6)), 16, NS)  # 6 blocks
@@ -47,3 +57,25 @@ def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
     assert other.unshared_tokens(A, 16) == 64
     # B shares 4 of the leader's blocks: the other 2 blocks + tail are a real backlog.
     assert leader.unshared_tokens(B, 16) == 2 * 16 + 3
+
+
+
+def test_a_request_at_a_reused_address_gets_its_own_state() -> None:
+    meta = RequestMetadata("r", "internal-r")
+    a_args, c_args = [GenerateRequest("a", list(range(16 * 6)))], [GenerateRequest("c", [7] * 64)]
+    for _ in range(100):  # CPython usually hands a freed block straight out again; retry if not
+        router = PrefixAwareRequestRouter.__new__(PrefixAwareRequestRouter)  # the pure part
+        router._contexts, router._prefix_routing = {}, True
+        router._fingerprint, router._block_size = "fp", 16
+        first = PendingRequest(a_args, {}, meta, future=None)
+        router._context(first, a_args[0], now=0.0)  # then cancelled before routing
+        address = id(first)
+        del first
+        second = PendingRequest(c_args, {}, meta, future=None)
+        if id(second) == address:
+            break
+    else:
+        pytest.fail("no freed address was reused")
+    ctx = router._context(second, c_args[0], now=1.0)
+    assert ctx.chain == C  # its own chain, not the cancelled request's
+    assert len(router._contexts) == 2

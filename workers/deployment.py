@@ -4,7 +4,8 @@ Threads. The engine is not thread-safe, so one loop thread (:class:`EngineLoop`)
 takes add / abort / call commands from a queue, steps the engine while work is pending, and hands
 each step's outputs to the waiting ``generate`` streams with ``loop.call_soon_threadsafe``. An
 error in one request (bad input) fails that request only; an exception inside a step fails the
-requests in flight (their batch is lost, their blocks are freed) and the loop goes on.
+requests that step ran (their blocks are freed, the cache entries it was writing are withdrawn
+and the index told) and the loop goes on.
 
 Index. When a Redis URL is given the replica registers (Serve replica id, a fresh time-based
 epoch, block size, model fingerprint, node) and runs an ``EventPublisher`` that ships the
@@ -43,7 +44,7 @@ from router.index import PrefixIndex
 from router.publisher import EventPublisher
 from router.request import GenerateRequest
 from workers.checkpoints import resolve_checkpoint
-from workers.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput
+from workers.engine import EngineConfig, EngineStats, LLMEngine, RequestOutput, StepFailedError
 from workers.errors import InvalidRequestError
 from workers.sampling import SamplingParams, TokenLogprob
 
@@ -239,16 +240,14 @@ class EngineLoop(threading.Thread):
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:
-            # The step's batch is lost; fail its requests, free their blocks, keep serving.
-            log.exception("engine step failed; aborting %d requests", len(self._streams))
-            for request_id, stream in list(self._streams.items()):
-                stream.send(RuntimeError(f"engine step failed: {exc!r}"))
-                try:
-                    self.engine.abort(request_id)
-                except Exception:
-                    log.exception("abort of %s failed", request_id)
-            self._streams.clear()
+        except StepFailedError as exc:
+            # The engine dropped the step's requests and published the rollback of the blocks
+            # it hashed; fail exactly those streams and keep serving the rest.
+            log.exception("engine step failed; failing %d requests", len(exc.request_ids))
+            for request_id in exc.request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.send(RuntimeError(f"engine step failed: {exc.__cause__!r}"))
             return
         per_request: dict[str, list[RequestOutput]] = {}
         for out in outputs:

@@ -39,6 +39,7 @@ __all__ = [
     "LLMEngine",
     "RequestOutput",
     "SampleOutput",
+    "StepFailedError",
     "TokenLogprob",
 ]
 
@@ -108,6 +109,18 @@ class GenerateOutput:
     prompt_token_ids: list[int]
     num_cached_tokens: int
     samples: list[SampleOutput]
+
+
+class StepFailedError(RuntimeError):
+    """A step raised (its forward pass, usually); the requests it ran were dropped.
+
+    The requests in ``request_ids`` are gone from the engine, their blocks freed, and no block
+    the step was writing stays cached; every other request goes on. Callers fail exactly these.
+    """
+
+    def __init__(self, request_ids: tuple[str, ...]) -> None:
+        super().__init__(f"engine step failed; dropped {len(request_ids)} request(s)")
+        self.request_ids = request_ids
 
 
 @dataclass(eq=False)
@@ -325,23 +338,47 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
+        """Run one step; if it raises, :meth:`_fail_step` leaves the engine exact and clean."""
         outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        for seq in sched.too_long:
-            self._retire(seq, "length", outputs, [], None)
-        if not sched.empty:
-            copies = self.kv.take_copies()
-            if copies:
-                copy_blocks(self.kv_cache, copies)
-            start = time.perf_counter()
-            logits, sampled = self.runner.execute(sched)
-            for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-            if logits is not None:
-                self._sample_and_append(logits, sampled, outputs)
-            self._update_rates(sched, time.perf_counter() - start)
-        self._flush_events()
+        sched: SchedulerOutput | None = None
+        try:
+            sched = self.scheduler.schedule()
+            for seq in sched.too_long:
+                self._retire(seq, "length", outputs, [], None)
+            if not sched.empty:
+                copies = self.kv.take_copies()
+                if copies:
+                    copy_blocks(self.kv_cache, copies)
+                start = time.perf_counter()
+                logits, sampled = self.runner.execute(sched)
+                for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+                    seq.num_computed_tokens += n
+                if logits is not None:
+                    self._sample_and_append(logits, sampled, outputs)
+                self._update_rates(sched, time.perf_counter() - start)
+            self.kv.commit_step()
+        except Exception as exc:
+            failed = self._fail_step(sched)
+            self._pending = [o for o in outputs if o.request_id not in failed]
+            raise StepFailedError(failed) from exc
+        finally:
+            self._flush_events()
         return outputs
+
+    def _fail_step(self, sched: SchedulerOutput | None) -> tuple[str, ...]:
+        """Drop the failed step's requests (every request if scheduling itself failed) and
+        unregister the blocks it hashed, whose KV was never written; returns the dropped ids."""
+        if sched is None:
+            failed = tuple(self._requests)
+        else:
+            failed = tuple(dict.fromkeys(seq.request_id for seq in sched.seqs))
+        self.kv.rollback_step()
+        self.scheduler.drop_requests(frozenset(failed))
+        for request_id in failed:
+            req = self._requests.pop(request_id, None)
+            for seq in req.seqs if req is not None else ():
+                self.kv.free(seq.seq_id)  # no-op unless scheduling failed half-way
+        return failed
 
     def _sample_and_append(
         self, logits: torch.Tensor, sampled: list[Sequence], outputs: list[RequestOutput]
@@ -484,36 +521,37 @@ class LLMEngine:
         if len(plist) != len(prompts):
             raise InvalidRequestError("need one SamplingParams per prompt")
         results: dict[str, GenerateOutput] = {}
-        for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
-            rid = f"generate-{id(results)}-{i}"
-            try:
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
+                rid = f"generate-{id(results)}-{i}"
                 self.add_request(rid, prompt, p, cache_salt)
-            except InvalidRequestError:  # all or nothing: withdraw the ones already queued
-                for queued in results:
-                    self.abort(queued)
-                self._pending = [o for o in self._pending if o.request_id not in results]
-                raise
-            results[rid] = GenerateOutput(
-                rid,
-                list(prompt),
-                0,
-                [
-                    SampleOutput(j, [], None, [] if p.logprobs is not None else None)
-                    for j in range(p.n)
-                ],
-            )
-        while any(rid in self._requests for rid in results):
-            for out in self.step():
-                res = results.get(out.request_id)
-                if res is None:
-                    continue
-                sample = res.samples[out.index]
-                sample.token_ids.extend(out.new_token_ids)
-                if out.new_logprobs and sample.logprobs is not None:
-                    sample.logprobs.extend(out.new_logprobs)
-                res.num_cached_tokens = out.num_cached_tokens
-                if out.finished:
-                    sample.finish_reason = out.finish_reason
+                results[rid] = GenerateOutput(
+                    rid,
+                    list(prompt),
+                    0,
+                    [
+                        SampleOutput(j, [], None, [] if p.logprobs is not None else None)
+                        for j in range(p.n)
+                    ],
+                )
+            while any(rid in self._requests for rid in results):
+                for out in self.step():
+                    res = results.get(out.request_id)
+                    if res is None:
+                        continue
+                    sample = res.samples[out.index]
+                    sample.token_ids.extend(out.new_token_ids)
+                    if out.new_logprobs and sample.logprobs is not None:
+                        sample.logprobs.extend(out.new_logprobs)
+                    res.num_cached_tokens = out.num_cached_tokens
+                    if out.finished:
+                        sample.finish_reason = out.finish_reason
+        except BaseException:
+            # all or nothing: withdraw this call's requests so the engine is reusable
+            for rid in results:
+                self.abort(rid)
+            self._pending = [o for o in self._pending if o.request_id not in results]
+            raise
         return list(results.values())
 
     def stats(self) -> EngineStats:

@@ -16,6 +16,8 @@ Invariants (tests/test_kv_cache.py checks them):
 4. Eviction is lazy: a hashed free block keeps its hash (and stays a cache hit) until it is
    popped for reuse; only then is the hash dropped and ``BlockRemoved`` emitted.
 5. Events are buffered in order and drained once per engine step (``take_events``).
+   Hashes are registered at schedule time, before the forward pass writes their KV; until the
+   step commits they are provisional, and a failed step rolls them back (``BlockRemoved``).
 6. A block shared by several sequences (``ref_cnt > 1``) is copied before one of them writes
    into it (copy-on-write); the copy pairs are drained by the runner before the forward pass.
 """
@@ -101,6 +103,7 @@ class BlockPool:
         self.free = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, Block] = {}
         self.events: list[KVEvent] = []
+        self.uncommitted: list[Block] = []  # hashed since the last commit: KV not written yet
 
     @property
     def num_free(self) -> int:
@@ -162,15 +165,39 @@ class BlockPool:
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            self.uncommitted.append(block)
             run.append(block_hash)
         if run:
             self.events.append(BlockStored(tuple(run), run_parent))
+
+    def commit(self) -> None:
+        """The step's forward pass wrote the KV of every block hashed since the last commit."""
+        self.uncommitted.clear()
+
+    def rollback(self) -> None:
+        """Unhash every block hashed since the last commit: its KV was never written, and a
+        prefix hit on it would read garbage. ``BlockRemoved`` undoes the queued ``BlockStored``."""
+        removed: list[bytes] = []
+        for block in self.uncommitted:
+            block_hash = block.block_hash
+            if block_hash is None or self.cached.get(block_hash) is not block:
+                continue  # already evicted (and reported) within the step
+            del self.cached[block_hash]
+            block.block_hash = None
+            removed.append(block_hash)
+            if block.ref_cnt == 0:  # free and now unhashed: it belongs at the front
+                self.free.remove(block)
+                self.free.push_front(block)
+        self.uncommitted.clear()
+        if removed:
+            self.events.append(BlockRemoved(tuple(removed)))
 
     def reset(self) -> None:
         """Forget every hash (used blocks keep their data but are no longer shareable)."""
         for block in self.cached.values():
             block.block_hash = None
         self.cached.clear()
+        self.uncommitted.clear()
         self.events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
@@ -318,6 +345,14 @@ class KVCacheManager:
 
     def take_events(self) -> list[KVEvent]:
         return self.pool.take_events()
+
+    def commit_step(self) -> None:
+        """Blocks hashed while scheduling this step now hold their KV; keep them cached."""
+        self.pool.commit()
+
+    def rollback_step(self) -> None:
+        """The step failed: unregister every block hashed while scheduling it."""
+        self.pool.rollback()
 
     def cached_hashes(self) -> list[bytes]:
         return list(self.pool.cached)

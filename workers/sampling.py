@@ -18,12 +18,16 @@ from workers.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
+MAX_SEED = 2**63 - 1  # cluster/protocol.py accepts the same range; seed + index stays a uint64
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny one
+# overflows to inf (or by one that rounds to 0 in float32, to NaN), and softmax yields NaN.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # below GREEDY_TEMPERATURE (0 included) => greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 => off
     seed: int | None = None
@@ -38,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first bad field."""
@@ -59,8 +63,8 @@ class SamplingParams:
             fail("top_p", "must be in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
             fail("top_k", "must be an integer >= 0 (0 disables it)")
-        if self.seed is not None and not is_int(self.seed):
-            fail("seed", "must be an integer or None")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            fail("seed", f"must be None or an integer in [0, {MAX_SEED}]")
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:
             fail("n", f"must be an integer in [1, {MAX_N}]")
         if self.logprobs is not None and (

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,6 +188,17 @@ class Scheduler:
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.seq_id)
+
+    def drop_requests(self, request_ids: Container[str]) -> None:
+        """Retire every queued or running sample of these requests as "abort" and free its
+        blocks; a sample a failed step had already finished but not yet removed goes too."""
+        for seq in [s for s in (*self.running, *self.waiting) if s.request_id in request_ids]:
+            if seq.status is not SeqStatus.FINISHED:
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "abort"
+            self.kv.free(seq.seq_id)
+        self.running = [s for s in self.running if s.request_id not in request_ids]
+        self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
 
     def remove_finished(self, done: set[Sequence]) -> None:
         """Drop many finished running sequences in one O(running) pass."""
