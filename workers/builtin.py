@@ -10,15 +10,13 @@ folder name carries a version so a format change rebuilds it.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from workers.checkpoints import default_cache_dir
+from workers.checkpoints import cached_directory, default_cache_dir
 
 BUILTIN_VERSION = 1
 SPECIAL_TOKENS = (
@@ -66,21 +64,7 @@ CONFIG = {
 def ensure_builtin_model(cache_dir: Path | None = None) -> Path:
     """Path of the built-in checkpoint, writing it first if absent."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"builtin-v{BUILTIN_VERSION}"
-    if final.is_dir():  # only ever appears complete: it is renamed into place
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
-        write_builtin_model(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return cached_directory(root / f"builtin-v{BUILTIN_VERSION}", write_builtin_model)
 
 
 def write_builtin_model(path: Path) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,12 +121,19 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
     """The cached HF directory of a GGUF file, converting it first if absent (atomically)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / f"gguf-v{CONVERTED_VERSION}-{gguf_digest(path)}"
-    if final.is_dir():  # only ever appears complete: it is renamed into place
+    return cached_directory(final, lambda out: write_converted(path, out))
+
+
+def cached_directory(final: Path, write: Callable[[Path], None]) -> Path:
+    """`final`, filled by `write(folder)` first if absent: written into a temporary folder
+    beside it and renamed into place, so it only ever appears complete and racing processes
+    (workers starting together on one node) are safe."""
+    if final.is_dir():
         return final
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
-        write_converted(path, tmp)
+        write(tmp)
         try:
             tmp.rename(final)
         except OSError:
