@@ -46,7 +46,7 @@ from bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens,
 from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL, resolve_checkpoint
 
 WORKLOADS = ("shared-prefix", "multi-turn", "rag", "trace", "random")
-DEFAULT_TRACE = "../shared/traces/mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = "bench/traces/mooncake_conversation_1000.jsonl"
 
 
 def add_bench_parser(subparsers: Any) -> argparse.ArgumentParser:

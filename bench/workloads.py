@@ -142,7 +142,7 @@ class RandomPrompts:
 class Trace:
     """Replay of a Mooncake trace: each hash id becomes its own fixed run of 512 tokens."""
 
-    path: str | Path = "../shared/traces/mooncake_conversation_trace.jsonl"
+    path: str | Path = "bench/traces/mooncake_conversation_1000.jsonl"
     speedup: float = 1.0              # arrivals at timestamp / speedup
     max_input: int | None = None      # cut prompts (keeps their prefix structure)
     max_output: int | None = None
