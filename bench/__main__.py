@@ -1,4 +1,4 @@
-"""`python -m bench run|compare ...`."""
+"""`python -m bench` is the `prefixserve-bench` command."""
 
 import sys
 

@@ -13,9 +13,10 @@ import json
 import math
 from typing import Any
 
-from bench.cli import make_spec, make_workload, parse_rates, write_outputs
 from bench.launch import ensure_ray, local_cluster, shutdown
 from bench.machine import cpu_measure
+from bench.options import make_spec, make_workload, parse_rates
+from bench.outputs import write_outputs
 from bench.report import format_side_by_side, median_summary, ratio
 from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from workers.checkpoints import DEFAULT_MODEL, is_gguf, locate, resolve_checkpoint
-from workers.engine import EngineConfig, LLMEngine
-from workers.model import to_dtype
-from workers.model_config import ModelConfig, load_model_config
+from workers.engine import LLMEngine
+from workers.engine_types import EngineConfig
+from workers.models.base import to_dtype
+from workers.models.config import ModelConfig, load_model_config
 from workers.sampling import SamplingParams
 
 

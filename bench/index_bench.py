@@ -27,7 +27,7 @@ import redis
 
 from cluster.local_redis import LocalRedis
 from router.events import BlockRemoved, BlockStored, EventBatch
-from router.index import ApplyResult, PrefixIndex
+from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
 
 TARGETS = {
     "lookup_p99_128_ms": 1.0,
@@ -66,7 +66,7 @@ async def fill(index: PrefixIndex, ids: list[int], chains, rng: random.Random,
             seqs[w] += 1
             async with sem:
                 res = await index.apply(EventBatch(w, 1, seqs[w], (BlockStored(tuple(chain)),)))
-            assert res is ApplyResult.APPLIED, res
+            assert res is ResultCode.OK, res
 
     start = time.perf_counter()
     await asyncio.gather(*(feed(w) for w in ids))
@@ -104,7 +104,7 @@ async def apply_throughput(index: PrefixIndex, ids: list[int], seqs: dict[int, i
             evs = (BlockStored(blocks), BlockRemoved(prev)) if prev else (BlockStored(blocks),)
             seqs[w] += 1
             res = await index.apply(EventBatch(w, 1, seqs[w], evs))
-            assert res is ApplyResult.APPLIED, res
+            assert res is ResultCode.OK, res
             events += len(blocks) + len(prev)
             prev = blocks
 
@@ -117,8 +117,8 @@ async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     with LocalRedis() as server:
         raw = redis.Redis.from_url(server.url)
-        index = PrefixIndex(server.url, "bench", deadline_s=5.0, lease_ttl_s=3600,
-                            admin_deadline_s=30.0)
+        index = open_index(server.url, "bench", deadline_s=5.0,
+                           settings=IndexSettings(lease_ttl_s=3600, admin_deadline_s=30.0))
         ids = [await index.register(f"replica-{i}", epoch=1, block_size=16, fingerprint="fp")
                for i in range(args.workers)]
         chains = random_chains(args.blocks, args.chain_len)

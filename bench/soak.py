@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from bench.client import WORKER_HEADER
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
 OK, CLEAN_ERROR, FAILED, HUNG, CANCELLED = "ok", "clean_error", "failed", "hung", "cancelled"
@@ -82,13 +83,13 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: Spec,
     async def go() -> Outcome:
         if not spec.stream:
             r = await client.post(f"{base_url}/v1/completions", json=body)
-            worker = r.headers.get("x-prefixserve-worker", "")
+            worker = r.headers.get(WORKER_HEADER, "")
             if r.status_code == 200 and len(r.json()["choices"]) == spec.n:
                 return Outcome(OK, start, time.monotonic(), 200, worker=worker)
             kind = CLEAN_ERROR if _is_envelope(r.content) else FAILED
             return Outcome(kind, start, time.monotonic(), r.status_code, r.text[:200], worker)
         async with client.stream("POST", f"{base_url}/v1/completions", json=body) as r:
-            worker = r.headers.get("x-prefixserve-worker", "")
+            worker = r.headers.get(WORKER_HEADER, "")
             if r.status_code != 200:
                 raw = await r.aread()
                 kind = CLEAN_ERROR if _is_envelope(raw) else FAILED
@@ -261,7 +262,7 @@ def index_view(redis_url: str, model: str) -> dict[str, Any]:
     """What Redis holds for the model: per worker id its block set, and the other keys."""
     import redis
 
-    from router.index import key_tag
+    from router.redis_index import key_tag
 
     p = "{" + key_tag(model) + "}"
     r = redis.Redis.from_url(redis_url)

@@ -27,79 +27,77 @@ from ray.serve.schema import LoggingConfig
 
 from cluster.api import OpenAIIngress
 from cluster.config import ClusterConfig
-from cluster.guard import GuardSettings, key_digest
+from cluster.guard import GuardSettings
+from router.index import IndexSettings
+from router.router_state import RouterSettings
+from router.routing_policies import ROUTING_POLICIES
+from workers.checkpoints import checkpoint_fingerprint
 from workers.deployment import worker_deployment
-from workers.engine import checkpoint_fingerprint
 
-ROUND_ROBIN_ROUTER = "router.round_robin:RoundRobinRequestRouter"
+ROUTING_STATS_PERIOD_S = 2.0  # how fresh the index routers' fallback loads are
 
 
 def build_app(config: ClusterConfig) -> Application:
     """The whole cluster as one Serve application (ingress → workers)."""
     model_path = config.model_path()  # converts a GGUF here first, so replicas find it done
     model_name = config.model_name()
-    prefix = config.policy == "prefix"
-    workers = worker_deployment(
-        num_replicas=config.num_workers,
-        num_cpus=config.worker_cpus,
-        num_gpus=config.gpus_per_worker,
-        max_ongoing_requests=config.max_ongoing_requests,
-        ray_actor_options={"resources": dict(config.worker_resources)},
-        prefix_routing=prefix,
-        router_kwargs={
-            "redis_url": config.redis_url,
-            "model": model_name,
-            "block_size": config.block_size,
-            "fingerprint": checkpoint_fingerprint(model_path),
-            "lookup_deadline_s": config.lookup_deadline_s,
-            "predict_ttl_s": config.predict_ttl_s,
-        },
-    )
-    workers = workers.options(graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
-                              logging_config=serve_logging(config))
-    if config.max_workers_per_node is not None:
-        workers = workers.options(max_replicas_per_node=config.max_workers_per_node)
-    if config.policy == "round_robin":
-        workers = workers.options(
-            request_router_config=RequestRouterConfig(request_router_class=ROUND_ROBIN_ROUTER)
-        )
     # Baselines run without the index, so they pay none of its costs.
-    worker_app = workers.bind(
-        config.model,
-        config.engine_config(),
-        config.redis_url if prefix else None,
-        model_name,
-        lease_ttl_s=config.lease_ttl_s,
-        stream_interval=config.stream_interval,
-    )
+    redis_url = config.redis_url if config.needs_index else None
+    router = config.router.model_copy(update={
+        "model": model_name,
+        "block_size": config.engine.block_size,
+        "fingerprint": checkpoint_fingerprint(model_path),
+    })
+    workers = worker_deployment(
+        num_replicas=config.workers.num_workers,
+        num_cpus=config.workers.cpus,
+        num_gpus=config.workers.gpus_per_worker,
+        max_ongoing_requests=config.workers.max_ongoing_requests,
+        ray_actor_options={"resources": dict(config.workers.worker_resources)},
+        request_router_config=request_router_config(config.policy, redis_url, router,
+                                                    config.index),
+    ).options(graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
+              logging_config=serve_logging(config))
+    if config.workers.max_workers_per_node is not None:
+        workers = workers.options(max_replicas_per_node=config.workers.max_workers_per_node)
+    worker_app = workers.bind(config.model, config.engine, redis_url, model_name,
+                              index=config.index, stream_interval=config.workers.stream_interval)
     ingress = OpenAIIngress.options(
-        num_replicas=config.ingress_replicas,
-        ray_actor_options={"num_cpus": config.cpus_per_ingress},
-        max_ongoing_requests=config.ingress_max_ongoing_requests,
+        num_replicas=config.ingress.ingress_replicas,
+        ray_actor_options={"num_cpus": config.ingress.cpus_per_ingress},
+        max_ongoing_requests=config.ingress.ingress_max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         logging_config=serve_logging(config),
     )
     # A fresh secret per deploy keys the tenants' cache namespaces: nothing in the index can be
     # recomputed from a guessed prompt (a redeploy starts every tenant's cache cold).
-    return ingress.bind(worker_app, config.model, model_name, config.max_model_len,
-                        guard_settings(config), os.urandom(32))
+    return ingress.bind(worker_app, config.model, model_name, config.engine.max_model_len,
+                        GuardSettings.of(config.ingress), os.urandom(32))
+
+
+def request_router_config(
+    policy: str, redis_url: str | None, router: RouterSettings, index: IndexSettings,
+    stats_period_s: float = ROUTING_STATS_PERIOD_S,
+) -> RequestRouterConfig | None:
+    """The workers' request router for ``policy`` (``router.routing_policies``); None keeps
+    Serve's default. Index-backed routers get the router and index sections, as plain dicts."""
+    routing = ROUTING_POLICIES[policy]
+    if routing.request_router is None:
+        return None
+    if not routing.needs_index:
+        return RequestRouterConfig(request_router_class=routing.request_router)
+    return RequestRouterConfig(
+        request_router_class=routing.request_router,
+        request_router_kwargs={"redis_url": redis_url, "settings": router.model_dump(),
+                               "index": index.model_dump()},
+        request_routing_stats_period_s=stats_period_s,
+    )
 
 
 def serve_logging(config: ClusterConfig) -> LoggingConfig:
     """Serve's logging for the app's replicas, and for the proxy where prefixserve starts
     Serve itself (`serve.start(logging_config=...)`)."""
     return LoggingConfig(enable_access_log=config.access_log)
-
-
-def guard_settings(config: ClusterConfig) -> GuardSettings:
-    """What the ingress admits. Only digests of the API keys leave the config. Past
-    ingress_max_ongoing_requests Serve's proxy would queue without bound, so the in-flight
-    cap is at most that."""
-    return GuardSettings(
-        key_tenants={key_digest(key): tenant for key, tenant in config.api_keys.items()},
-        max_in_flight=min(config.max_queued_requests, config.ingress_max_ongoing_requests),
-        max_request_bytes=config.max_request_bytes,
-    )
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -1,4 +1,4 @@
-"""`prefixserve` command line: `serve` runs a cluster, `bench` load-tests one.
+"""`prefixserve` command line: `serve` runs a cluster (`prefixserve-bench` load-tests one).
 
 `prefixserve serve` starts a local Ray (or joins `--address`), a private Redis for the prefix
 index unless `--redis-url` is given, deploys the application and serves until Ctrl-C, then
@@ -21,25 +21,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.config import REDIS_URL_ENV, ClusterConfig
-from router.index import IndexUnavailable, check_redis
+from cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
+from router.index import IndexUnavailable
+from router.redis_index import check_redis
+from router.routing_policies import ROUTING_POLICIES
 
 APP_NAME = "prefixserve"
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ClusterConfig field; unset flags stay out of the config dict."""
-    group = parser.add_argument_group("cluster configuration (ClusterConfig fields)")
-    for name, info in ClusterConfig.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        help_text = str(info.description).replace("%", "%%")
-        if info.default is not None and not info.default_factory:
-            help_text += f" (default: {info.default})"
-        if info.annotation is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+    """One flag per ClusterConfig leaf setting; unset flags stay out of the config dict."""
+    group = parser.add_argument_group("cluster configuration (ClusterConfig settings)")
+    for leaf in leaves():
+        flag = "--" + leaf.name.replace("_", "-")
+        help_text = leaf.description.replace("%", "%%")
+        if leaf.default is not None and not leaf.from_env:
+            help_text += f" (default: {leaf.default})"
+        if leaf.is_bool:
+            group.add_argument(flag, dest=leaf.name, action=argparse.BooleanOptionalAction,
                                default=None, help=help_text)
         else:
-            group.add_argument(flag, dest=name, default=None, metavar=name.upper(),
+            group.add_argument(flag, dest=leaf.name, default=None, metavar=leaf.name.upper(),
                                help=help_text)
 
 
@@ -57,12 +59,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dashboard", action="store_true",
                        help="start the Ray dashboard with a local Ray")
     _add_config_flags(serve)
-    try:
-        from bench.cli import add_bench_parser
-    except ImportError:  # bench extras not installed: serving still works
-        pass
-    else:
-        add_bench_parser(sub)
     return parser
 
 
@@ -77,10 +73,10 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
             fields.update(yaml.safe_load(text) or {})
         else:
             fields.update(json.loads(text))
-    for name in ClusterConfig.model_fields:
-        value = getattr(args, name, None)
+    for leaf in leaves():
+        value = getattr(args, leaf.name, None)
         if value is not None:
-            fields[name] = value
+            fields[leaf.name] = value
     return fields
 
 
@@ -106,7 +102,9 @@ def serve_command(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as exc:
         return _fail(f"cannot read --config: {exc}")
     redis: LocalRedis | None = None
-    needs_redis = fields.get("policy", "prefix") == "prefix"
+    default_policy = ClusterConfig.model_fields["policy"].default
+    policy = ROUTING_POLICIES.get(fields.get("policy", default_policy))
+    needs_redis = policy is not None and policy.needs_index
     if needs_redis and not fields.get("redis_url") and not os.environ.get(REDIS_URL_ENV):
         try:
             redis = LocalRedis().start()
@@ -126,7 +124,7 @@ def serve_command(args: argparse.Namespace) -> int:
             config.model_path()
         except (ValueError, OSError) as exc:
             return _fail(f"cannot serve --model {config.model}: {exc}")
-        if config.policy == "prefix" and config.redis_url and redis is None:
+        if config.needs_index and config.redis_url and redis is None:
             try:
                 asyncio.run(check_redis(config.redis_url))
             except IndexUnavailable as exc:
@@ -155,8 +153,9 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config=serve_logging(config))
         app = build_app(config)
-        print(f"prefixserve: starting {config.num_workers} worker(s) of {config.model_name()} "
-              f"({'GPU' if config.on_gpu else 'CPU'}, policy {config.policy}) ...")
+        print(f"prefixserve: starting {config.workers.num_workers} worker(s) of "
+              f"{config.model_name()} ({'GPU' if config.workers.on_gpu else 'CPU'}, policy "
+              f"{config.policy}) ...")
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
         print(f"prefixserve: serving the OpenAI API at http://{host}:{config.port}/v1 "
@@ -178,10 +177,7 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return serve_command(args)
-    return args.bench_func(args)
+    return serve_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from cluster.config import IngressConfig
 from cluster.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
@@ -52,9 +53,18 @@ def tenant_salt(secret: bytes, tenant: str | None, client_salt: str | None) -> s
 
 @dataclass(frozen=True)
 class GuardSettings:
-    key_tenants: dict[str, str] = field(default_factory=dict)  # key digest -> tenant; {}: off
-    max_in_flight: int = 512
-    max_request_bytes: int = 4 * 2**20
+    key_tenants: dict[str, str]  # key digest -> tenant; {}: off
+    max_in_flight: int
+    max_request_bytes: int
+
+    @classmethod
+    def of(cls, ingress: IngressConfig) -> GuardSettings:
+        """What an ingress with this config admits. Only digests of the API keys leave it."""
+        return cls(
+            key_tenants={key_digest(key): tenant for key, tenant in ingress.api_keys.items()},
+            max_in_flight=ingress.max_in_flight,
+            max_request_bytes=ingress.max_request_bytes,
+        )
 
 
 class BodyTooLarge(ApiError):
@@ -66,7 +76,7 @@ class BodyTooLarge(ApiError):
 class Guard:
     """The admission middleware (see the module docstring)."""
 
-    settings: ClassVar[GuardSettings] = GuardSettings()
+    settings: ClassVar[GuardSettings]  # set by configure() before the app serves
     in_flight: ClassVar[int] = 0
 
     def __init__(self, app: ASGIApp) -> None:

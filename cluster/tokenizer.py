@@ -25,6 +25,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from workers.byte_level import bytes_to_unicode
+
 # ChatML, used when the checkpoint ships no chat template.
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -43,21 +45,7 @@ class TokenizerError(ValueError):
     """The checkpoint's tokenizer files are missing or unusable, or a template failed."""
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte → printable character map, used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs), strict=True))
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 def _token_content(value: Any) -> str | None:

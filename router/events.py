@@ -2,13 +2,18 @@
 
 Events are batched per engine step into an :class:`EventBatch` that carries the worker id,
 its epoch (a new incarnation gets a new one) and a per-worker sequence number, so the index can
-fence stale incarnations and detect lost batches. The wire format is a msgpack map with a
-``type`` tag; :func:`decode_batch` rejects anything malformed with :class:`EventDecodeError`.
+fence stale incarnations and detect lost batches. A batch's events travel as one compact op
+stream (:func:`encode_events`), the one event wire format: the index's apply script parses it
+without unpacking a string per digest. Load records travel as msgpack maps
+(:func:`encode_load`); :func:`decode_load` rejects anything malformed with
+:class:`EventDecodeError`.
 """
 
 from __future__ import annotations
 
 import math
+import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -16,19 +21,16 @@ import msgpack
 
 from router.blocks import DIGEST_BYTES
 
-WIRE_VERSION = 1
-
 
 class EventDecodeError(ValueError):
-    """A payload that is not a well-formed event batch or load record."""
+    """A payload that is not a well-formed load record."""
 
 
 @dataclass(frozen=True)
 class BlockStored:
-    """Blocks that became cached (hash registered). ``parent`` is the digest before the first."""
+    """Blocks that became cached (hash registered), in chain order."""
 
     hashes: tuple[bytes, ...]
-    parent: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,12 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True)
 class EventBatch:
+    """One engine step's events of one worker incarnation, numbered so gaps show."""
+
     worker_id: int
     epoch: int
     seq: int
     events: tuple[KVEvent, ...]
-    timestamp: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -68,61 +71,34 @@ class WorkerLoad:
     timestamp: float = 0.0
 
 
-def _encode_event(event: KVEvent) -> dict[str, Any]:
-    if isinstance(event, BlockStored):
-        return {"type": "stored", "hashes": list(event.hashes), "parent": event.parent}
-    if isinstance(event, BlockRemoved):
-        return {"type": "removed", "hashes": list(event.hashes)}
-    if isinstance(event, AllBlocksCleared):
-        return {"type": "cleared"}
-    raise TypeError(f"not a KV event: {event!r}")
+def pack_digests(digests: Sequence[bytes]) -> bytes:
+    """Digests back to back; raises ValueError unless every one is ``DIGEST_BYTES`` long."""
+    packed = b"".join(digests)
+    # the total is right and none is shorter <=> every digest has the right length
+    if len(packed) != DIGEST_BYTES * len(digests) or (
+        digests and min(map(len, digests)) < DIGEST_BYTES
+    ):
+        raise ValueError(f"block digests must be {DIGEST_BYTES} bytes each")
+    return packed
 
 
-def encode_batch(batch: EventBatch) -> bytes:
-    return msgpack.packb(
-        {
-            "type": "batch",
-            "v": WIRE_VERSION,
-            "worker": batch.worker_id,
-            "epoch": batch.epoch,
-            "seq": batch.seq,
-            "ts": batch.timestamp,
-            "events": [_encode_event(e) for e in batch.events],
-        },
-        use_bin_type=True,
-    )
+def encode_events(events: Sequence[KVEvent]) -> bytes:
+    """The op stream of a batch: per event ``op | u32 BE count | count x 16-byte digest``.
 
-
-def _int(obj: dict, key: str) -> int:
-    value = obj.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise EventDecodeError(f"field {key!r} must be a non-negative integer, got {value!r}")
-    return value
-
-
-def _digests(value: Any) -> tuple[bytes, ...]:
-    if not isinstance(value, list):
-        raise EventDecodeError("field 'hashes' must be a list")
-    for h in value:
-        if not isinstance(h, bytes) or len(h) != DIGEST_BYTES:
-            raise EventDecodeError(f"block hash must be {DIGEST_BYTES} bytes, got {h!r}")
-    return tuple(value)
-
-
-def _decode_event(obj: Any) -> KVEvent:
-    if not isinstance(obj, dict):
-        raise EventDecodeError(f"event must be a map, got {type(obj).__name__}")
-    kind = obj.get("type")
-    if kind == "stored":
-        parent = obj.get("parent")
-        if parent is not None and (not isinstance(parent, bytes) or len(parent) != DIGEST_BYTES):
-            raise EventDecodeError(f"parent must be {DIGEST_BYTES} bytes or nil")
-        return BlockStored(_digests(obj.get("hashes")), parent)
-    if kind == "removed":
-        return BlockRemoved(_digests(obj.get("hashes")))
-    if kind == "cleared":
-        return AllBlocksCleared()
-    raise EventDecodeError(f"unknown event type {kind!r}")
+    ``op`` is ``S`` (stored), ``R`` (removed) or ``C`` (cleared, count 0).
+    """
+    parts = []
+    for event in events:
+        if isinstance(event, BlockStored):
+            op, hashes = b"S", event.hashes
+        elif isinstance(event, BlockRemoved):
+            op, hashes = b"R", event.hashes
+        elif isinstance(event, AllBlocksCleared):
+            op, hashes = b"C", ()
+        else:
+            raise TypeError(f"not a KV event: {event!r}")
+        parts.append(op + struct.pack(">I", len(hashes)) + pack_digests(hashes))
+    return b"".join(parts)
 
 
 def _unpack_map(payload: bytes, expected_type: str) -> dict:
@@ -135,25 +111,6 @@ def _unpack_map(payload: bytes, expected_type: str) -> dict:
     if not isinstance(obj, dict) or obj.get("type") != expected_type:
         raise EventDecodeError(f"expected a map with type {expected_type!r}")
     return obj
-
-
-def decode_batch(payload: bytes) -> EventBatch:
-    obj = _unpack_map(payload, "batch")
-    if obj.get("v") != WIRE_VERSION:
-        raise EventDecodeError(f"unsupported wire version {obj.get('v')!r}")
-    events = obj.get("events")
-    if not isinstance(events, list):
-        raise EventDecodeError("field 'events' must be a list")
-    ts = obj.get("ts", 0.0)
-    if not isinstance(ts, int | float) or isinstance(ts, bool):
-        raise EventDecodeError("field 'ts' must be a number")
-    return EventBatch(
-        worker_id=_int(obj, "worker"),
-        epoch=_int(obj, "epoch"),
-        seq=_int(obj, "seq"),
-        events=tuple(_decode_event(e) for e in events),
-        timestamp=float(ts),
-    )
 
 
 _LOAD_FIELDS = {f.name: f.type for f in fields(WorkerLoad)}

@@ -1,68 +1,57 @@
-"""The global prefix index in Redis: which live worker holds which prefix blocks.
+"""The global prefix index as the router and the publisher see it: which live worker holds which
+prefix blocks.
 
-Workers feed it with their own KV events (:meth:`PrefixIndex.apply`, one atomic Lua call per
-batch) and keep a lease alive with their load (:meth:`PrefixIndex.heartbeat`); routers ask
+Workers feed it with their own KV events (:meth:`PrefixIndex.apply`, atomic per batch) and keep
+a lease alive with their load (:meth:`PrefixIndex.heartbeat`); routers ask
 :meth:`PrefixIndex.lookup` for every live worker's matched depth of a chain in one round trip.
 The index is advisory: every call has a deadline and raises :class:`IndexUnavailable` fast when
-Redis is slow, down or refusing, so the caller can route on load alone and keep serving.
+the store is slow, down or refusing, so the caller can route on load alone and keep serving.
 
-All keys of a model share one Redis Cluster hash tag (see :mod:`router.index_lua` for the
-layout); ``?cluster=true`` in the URL selects the cluster client. TLS (``rediss://``) and AUTH
-(``redis://user:password@host``) come with the URL.
-
-Memory: a (block, worker) entry is 2 bytes (the worker id) in the block's field of the model's
-block hash plus 16 bytes in the worker's reverse index; with the field's own overhead shared by
-its holders that measured ~66 bytes an entry at 1M blocks x 2 holders (bench/index_bench.py).
-Redis must not evict keys on its own (``maxmemory-policy noeviction`` or ``volatile-*``):
-a partially evicted worker could leave entries that its reverse index does not know.
+:class:`PrefixIndex` is the protocol both depend on; :func:`open_index` picks the store by the
+URL's scheme from :data:`INDEX_STORES`. A new store is one module with a class taking
+``(url, model, *, deadline_s, settings)`` plus one entry there. The Redis store is
+:mod:`router.redis_index`. :class:`IndexSettings` is the index section of the cluster config.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import hashlib
-import logging
-import re
-import struct
-from collections.abc import Awaitable, Iterable, Sequence
+import importlib
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from typing import Protocol
+from urllib.parse import urlsplit
 
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, RedisError
+from pydantic import BaseModel, ConfigDict, Field
 
-from router import index_lua
-from router.blocks import DIGEST_BYTES
-from router.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    EventDecodeError,
-    WorkerLoad,
-    decode_load,
-    encode_load,
-)
-
-T = TypeVar("T")
-log = logging.getLogger(__name__)
+from router.events import EventBatch, WorkerLoad
 
 REDIS_URL_ENV = "PREFIXSERVE_REDIS_URL"  # where routers and workers find the index by default
 
-_TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
-_GC_CHUNK = 4096
-_RESYNC_CHUNK = 4096
-_DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
-_HAS_TIMEOUT = hasattr(asyncio, "timeout")
+# URL scheme -> "module:class" of the store serving it (imported on first use, so a process
+# only loads the client library of the store it uses).
+INDEX_STORES: dict[str, str] = {
+    **dict.fromkeys(("redis", "rediss", "unix"), "router.redis_index:RedisPrefixIndex"),
+}
+
+
+class IndexSettings(BaseModel):
+    """The index section of the cluster config: what every client of one index agrees on."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lease_ttl_s: float = Field(10.0, gt=0.0, description="Worker lease in the index")
+    predict_ttl_s: float = Field(
+        2.0, gt=0.0, description="Lifetime of routing-time predicted index entries")
+    publish_deadline_s: float = Field(
+        0.5, gt=0.0, description="Deadline of a worker's index calls (events, heartbeats): off "
+        "the request path, so it can be generous; routers use lookup_deadline_s")
+    admin_deadline_s: float = Field(
+        1.0, gt=0.0, description="Deadline of maintenance calls (register, resync, GC)")
 
 
 class IndexUnavailable(Exception):
-    """Redis is slow (deadline passed), down or refusing. Raised fast; callers fail open."""
+    """The store is slow (deadline passed), down or refusing. Raised fast; callers fail open."""
 
 
 class StaleEpoch(Exception):
@@ -73,10 +62,36 @@ class UnknownWorker(LookupError):
     """The worker id is not registered (for this epoch): register again, then resync."""
 
 
-class ApplyResult(enum.Enum):
-    APPLIED = 0
-    STALE_EPOCH = 1
-    RESYNC_NEEDED = 2
+class ResultCode(enum.IntEnum):
+    """What an index operation did. The Redis scripts return these numbers (``lua/_codes.lua``)."""
+
+    OK = 0
+    STALE_EPOCH = 1  # a newer epoch of the worker is registered
+    RESYNC_NEEDED = 2  # the batch cannot be applied on top of what the index holds
+    UNKNOWN_WORKER = 3  # not registered (for this epoch)
+    TAG_TAKEN = 4  # the model's keyspace belongs to another model
+    IDS_EXHAUSTED = 5  # every worker id of the model is in use
+
+
+_FAILURES: dict[ResultCode, tuple[type[Exception], str]] = {
+    ResultCode.STALE_EPOCH: (StaleEpoch, "a newer epoch is registered"),
+    ResultCode.UNKNOWN_WORKER: (UnknownWorker, "not registered (for this epoch)"),
+    ResultCode.TAG_TAKEN: (ValueError, "the model's hash tag belongs to another model"),
+    ResultCode.IDS_EXHAUSTED: (RuntimeError, "all 65,535 worker ids of this model are in use"),
+}
+
+
+def expect(raw: int, what: str, *outcomes: ResultCode) -> ResultCode:
+    """Decode a store's result code: the code when it is one of ``outcomes`` (OK when none are
+    given), else the exception it stands for, with ``what`` saying which call failed."""
+    try:
+        code = ResultCode(raw)
+    except ValueError:
+        raise RuntimeError(f"{what}: unknown result code {raw!r}") from None
+    if code in (outcomes or (ResultCode.OK,)):
+        return code
+    error, reason = _FAILURES.get(code, (RuntimeError, f"unexpected {code.name}"))
+    raise error(f"{what}: {reason}")
 
 
 @dataclass(frozen=True)
@@ -104,184 +119,13 @@ class LookupResult:
     blocks_walked: int = 0  # how far the walk went before it stopped early
 
 
-def key_tag(model: str) -> str:
-    """The hash tag of a model: its name when short and plain, else a short digest of it.
+class PrefixIndex(Protocol):
+    """One model's prefix index. An implementation is safe to share between the tasks of one
+    event loop; every method raises :class:`IndexUnavailable` when the store does not answer
+    in time."""
 
-    Short tags keep the per-block keys small (a 16-byte digest plus a few bytes).
-    """
-    if _TAG_RE.fullmatch(model):
-        return model
-    return "m" + hashlib.sha256(model.encode()).hexdigest()[:7]
-
-
-def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
-    """A client for ``url``; ``?cluster=true`` in the URL selects the Redis Cluster client.
-
-    A model's keys share one hash tag, so each script runs on the one node owning its slot.
-    """
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
-    url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
-    options: dict[str, Any] = {
-        "socket_timeout": socket_timeout_s,
-        "socket_connect_timeout": socket_timeout_s,
-        # One immediate retry replaces a pooled connection that died with a Redis restart;
-        # every script is idempotent, and the caller's deadline still bounds the total.
-        "retry": Retry(NoBackoff(), 1),
-    }
-    if cluster:
-        return RedisCluster.from_url(url, **options)
-    return Redis.from_url(url, health_check_interval=0, **options)
-
-
-_QUERY_PASSWORD = re.compile(r"(^|[&;])(password=)[^&;]*", re.IGNORECASE)
-
-
-def safe_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``: fit for logs and error messages.
-
-    redis-py takes the password from the userinfo or from a ``?password=`` query parameter;
-    both are masked, the rest of the URL is left as written.
-    """
-    parts = urlsplit(url)
-    query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
-    netloc = parts.netloc
-    if parts.password is not None:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    if query == parts.query and netloc == parts.netloc:
-        return url
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def unavailable(exc: BaseException, url: str) -> IndexUnavailable:
-    """Redis' failure in words an operator can act on (wrong password, TLS), password masked."""
-    where = safe_url(url)
-    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
-        if urlsplit(url).password is None:
-            reason = "requires a password and the URL has none"
-        else:
-            reason = f"rejected the password ({exc})"
-        return IndexUnavailable(
-            f"Redis at {where} {reason}: use redis://:PASSWORD@host:port "
-            f"(or redis://USER:PASSWORD@host:port)"
-        )
-    plain = url.startswith("redis://")
-    hint = "is it up? a TLS port needs rediss://" if plain else "is it up, with TLS?"
-    return IndexUnavailable(
-        f"cannot use Redis at {where}: {type(exc).__name__}: {str(exc) or 'no reply'} ({hint})"
-    )
-
-
-async def check_redis(url: str, timeout_s: float = 5.0) -> None:
-    """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
-    unreachable) instead of serving with prefix routing silently off."""
-    client = _connect(url, timeout_s)
-    try:
-        await asyncio.wait_for(client.ping(), timeout_s)
-    except (RedisError, OSError, asyncio.TimeoutError) as exc:
-        raise unavailable(exc, url) from None
-    finally:
-        await client.aclose()
-
-
-def _code(worker_id: int) -> bytes:
-    """A worker id as the scripts store it in block values and the live set: 2 bytes, BE."""
-    return worker_id.to_bytes(2, "big")
-
-
-def _pack_chain(chain: Sequence[bytes]) -> bytes:
-    packed = b"".join(chain)
-    # the total is right and none is shorter <=> every digest has the right length
-    if len(packed) != DIGEST_BYTES * len(chain) or (chain and min(map(len, chain)) < DIGEST_BYTES):
-        raise ValueError(f"block digests must be {DIGEST_BYTES} bytes each")
-    return packed
-
-
-def _pack_op(op: bytes, hashes: Sequence[bytes]) -> bytes:
-    return op + struct.pack(">I", len(hashes)) + _pack_chain(hashes)
-
-
-def pack_events(batch: EventBatch) -> bytes:
-    """The compact op stream the apply script parses (see ``index_lua.APPLY``)."""
-    parts = []
-    for event in batch.events:
-        if isinstance(event, BlockStored):
-            parts.append(_pack_op(b"S", event.hashes))
-        elif isinstance(event, BlockRemoved):
-            parts.append(_pack_op(b"R", event.hashes))
-        elif isinstance(event, AllBlocksCleared):
-            parts.append(_pack_op(b"C", ()))
-        else:
-            raise TypeError(f"not a KV event: {event!r}")
-    return b"".join(parts)
-
-
-class PrefixIndex:
-    """Client of one model's prefix index. Safe to share between tasks of one event loop."""
-
-    def __init__(
-        self,
-        url: str,  # redis:// or rediss://, password included; ?cluster=true for Redis Cluster
-        model: str,
-        *,
-        deadline_s: float = 0.05,
-        lease_ttl_s: float = 10.0,
-        predict_ttl_s: float = 2.0,
-        admin_deadline_s: float = 1.0,
-    ) -> None:
-        self.model = model
-        self.tag = key_tag(model)
-        self.deadline_s = deadline_s
-        self.admin_deadline_s = max(admin_deadline_s, deadline_s)
-        self.lease_ttl_ms = max(1, int(lease_ttl_s * 1000))
-        self.predict_ttl_ms = max(1, int(predict_ttl_s * 1000))
-        self._url = url
-        self._redis = _connect(url, self.admin_deadline_s)
-        p = self._prefix = "{" + self.tag + "}"
-        self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
-        self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
-        self._k_lv = p + "lv"
-        self._scripts = {
-            name: self._redis.register_script(getattr(index_lua, name))
-            for name in (
-                "REGISTER", "HEARTBEAT", "APPLY", "RESYNC_BEGIN", "RESYNC_CHUNK",
-                "RESYNC_COMMIT", "GC_MARK", "GC_CHUNK", "LOOKUP", "PREDICT", "LIVE",
-            )
-        }
-        self._workers: dict[int, WorkerInfo] = {}
-        self._rv: bytes | None = None
-        self._lv = b""
-        self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
-        self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
-
-    # -- plumbing -----------------------------------------------------------------------
-
-    async def _call(self, awaitable: Awaitable[T], deadline_s: float | None = None) -> T:
-        deadline = self.deadline_s if deadline_s is None else deadline_s
-        try:
-            if _HAS_TIMEOUT:  # no extra task per call, unlike wait_for before 3.12
-                async with asyncio.timeout(deadline):
-                    return await awaitable
-            return await asyncio.wait_for(awaitable, deadline)
-        except asyncio.TimeoutError:
-            msg = f"redis did not answer within {deadline * 1000:.0f} ms"
-            raise IndexUnavailable(msg) from None
-        except (RedisError, OSError) as exc:
-            raise unavailable(exc, self._url) from exc
-
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
-        return self._scripts[name](keys=keys, args=args)
-
-    def _w(self, worker_id: int) -> str:
-        return f"{self._prefix}w:{worker_id}"
-
-    def _r(self, worker_id: int) -> str:
-        return f"{self._prefix}r:{worker_id}"
-
-    # -- workers --------------------------------------------------------------------------
+    lease_ttl_s: float  # a worker's lease; the publisher heartbeats three times per lease
+    admin_deadline_s: float  # deadline of the chunked maintenance calls (resync, GC)
 
     async def register(
         self, replica_id: str, *, epoch: int, block_size: int, fingerprint: str, node: str = ""
@@ -290,172 +134,72 @@ class PrefixIndex:
 
         The same replica_id and epoch get the same id back (idempotent). A higher epoch is a
         new incarnation: it keeps the id but must resync before its batches are applied.
+        Raises :class:`StaleEpoch` when a higher epoch of the replica is registered.
         """
-        if not 0 <= epoch < 2**53:  # Lua compares epochs as doubles
-            raise ValueError(f"epoch must be in [0, 2**53), got {epoch}")
-        keys = [self._k_reg, self._k_ids, self._k_live, self._k_rv, self._k_name]
-        args = [self._prefix, replica_id, epoch, block_size, fingerprint, node,
-                self.lease_ttl_ms, self.model]
-        worker_id, extra = await self._call(self._run("REGISTER", keys, args))
-        if worker_id == -1:
-            raise StaleEpoch(f"{replica_id}: epoch {epoch} < registered epoch {extra}")
-        if worker_id == -2:
-            raise ValueError(f"hash tag {{{self.tag}}} belongs to another model")
-        if worker_id == -3:
-            raise RuntimeError("all 65,535 worker ids of this model are in use")
-        return int(worker_id)
+        ...
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
         """Renew the lease and store the load. False: the registration is gone, register again."""
-        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv]
-        args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
-        return bool(await self._call(self._run("HEARTBEAT", keys, args)))
+        ...
 
     async def deregister(self, worker_id: int) -> None:
-        """Drop a worker and all its entries at once (chunked, O(own blocks))."""
-        for dead in await self._mark_dead(str(worker_id)):
-            await self._collect(int(dead))
+        """Drop a worker and all its entries at once."""
+        ...
 
     async def live_workers(self) -> list[WorkerInfo]:
-        keys = [self._k_live, self._k_rv]
-        rv, flat = await self._call(self._run("LIVE", keys, [self._prefix]))
-        workers = []
-        for i in range(0, len(flat), 2):
-            try:
-                rid, epoch, bs, fp, node = flat[i + 1]
-                if rid is None:  # no record (gone, or not a hash): not a worker
-                    continue
-                workers.append(WorkerInfo(int(flat[i]), rid.decode(), int(epoch), int(bs),
-                                          fp.decode(), (node or b"").decode()))
-            except (TypeError, ValueError, AttributeError) as exc:  # junk in the record
-                if flat[i] not in self._corrupt:
-                    self._corrupt.add(flat[i])
-                    log.warning("prefix index %s: corrupt record of worker %r skipped (%r)",
-                                self.tag, flat[i], exc)
-        self._workers = {w.worker_id: w for w in workers}
-        self._rv = rv
-        return workers
+        """Every worker whose lease is alive."""
+        ...
 
-    # -- events ---------------------------------------------------------------------------
-
-    async def apply(self, batch: EventBatch) -> ApplyResult:
-        """Apply one batch atomically. Older epoch: ignored; sequence gap: resync needed."""
-        keys = [self._w(batch.worker_id), self._r(batch.worker_id)]
-        args = [self._prefix, batch.worker_id, batch.epoch, batch.seq, pack_events(batch)]
-        return ApplyResult(await self._call(self._run("APPLY", keys, args)))
+    async def apply(self, batch: EventBatch) -> ResultCode:
+        """Apply one batch atomically: OK (also for a duplicate), STALE_EPOCH (an older epoch's
+        batch, ignored) or RESYNC_NEEDED (a sequence gap, or nothing to apply it on)."""
+        ...
 
     async def resync(self, worker_id: int, epoch: int, hashes: Iterable[bytes], seq: int) -> None:
         """Replace the worker's whole block set with ``hashes`` (the set after batch ``seq``).
 
-        Chunked so Redis never stalls on a large set; lookups meanwhile may see a mix of the
-        old and new sets, which is harmless for an advisory index.
+        Raises :class:`StaleEpoch` or :class:`UnknownWorker` when the epoch is not the
+        registered one.
         """
-        new = dict.fromkeys(hashes)
-        packed_new = _pack_chain(list(new))
-        keys = [self._w(worker_id), self._r(worker_id)]
-        code, old_blob = await self._call(
-            self._run("RESYNC_BEGIN", keys, [epoch]), self.admin_deadline_s
-        )
-        self._check_code(code, worker_id, epoch)
-        old = {old_blob[i : i + DIGEST_BYTES] for i in range(0, len(old_blob), DIGEST_BYTES)}
-        removes = b"".join(h for h in old if h not in new)
-        step = _RESYNC_CHUNK * DIGEST_BYTES
-        for start in range(0, max(len(removes), len(packed_new)), step):
-            args = [self._prefix, worker_id, epoch, removes[start : start + step],
-                    packed_new[start : start + step]]
-            code = await self._call(self._run("RESYNC_CHUNK", keys, args), self.admin_deadline_s)
-            self._check_code(code, worker_id, epoch)
-        code = await self._call(
-            self._run("RESYNC_COMMIT", keys, [epoch, seq, packed_new]), self.admin_deadline_s
-        )
-        self._check_code(code, worker_id, epoch)
-
-    @staticmethod
-    def _check_code(code: int, worker_id: int, epoch: int) -> None:
-        if code == -1:
-            raise StaleEpoch(f"worker {worker_id}: epoch {epoch} is older than the registered one")
-        if code == -2:
-            raise UnknownWorker(f"worker {worker_id} (epoch {epoch}) is not registered")
-
-    # -- routing --------------------------------------------------------------------------
+        ...
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
         """Every live worker's consecutive matched depth of ``chain`` plus its latest load."""
-        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv]
-        args = [self._prefix, _pack_chain(chain), self._lv]
-        rv, codes, recs, lv, loads, walked = await self._call(self._run("LOOKUP", keys, args))
-        ids = struct.unpack(f">{len(codes) // 2}H", codes)
-        if rv != self._rv or any(wid not in self._workers for wid in ids):
-            await self.live_workers()
-        if loads is not None:  # some load changed since our last lookup: refresh them all
-            self._lv = lv
-            for wid, raw in zip(ids, loads, strict=True):
-                self._decode_load(wid, raw)
-        depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
-        matches = {}
-        for wid in ids:
-            info = self._workers.get(wid)
-            if info is not None:
-                confirmed, predicted = depth.get(wid, (0, 0))
-                cached = self._loads.get(wid)
-                load = cached[1] if cached else None
-                matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
-                                                       predicted, load)
-        return LookupResult(matches, walked)
-
-    def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
-        if raw is None:
-            self._loads.pop(worker_id, None)
-            return
-        cached = self._loads.get(worker_id)
-        if cached is not None and cached[0] == raw:
-            return
-        try:
-            load = decode_load(raw)
-        except EventDecodeError as exc:
-            if cached is None or cached[1] is not None:
-                log.warning("prefix index %s: bad load record of worker %d ignored (%s)",
-                            self.tag, worker_id, exc)
-            load = None
-        self._loads[worker_id] = (raw, load)
+        ...
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
-        """Record that ``chain`` was just routed to the worker (expires after predict_ttl_s).
+        """Record that ``chain`` was just routed to the worker, for a short while.
 
         ``from_block`` skips the blocks the worker already holds (its confirmed depth).
         """
-        packed = _pack_chain(chain[from_block:])
-        if packed:
-            args = [self._prefix, worker_id, self.predict_ttl_ms, packed]
-            await self._call(self._run("PREDICT", [self._k_live], args))
-
-    # -- garbage collection ----------------------------------------------------------------
+        ...
 
     async def gc(self) -> int:
         """Remove every entry of dead workers (lease expired); returns entries removed."""
-        removed = 0
-        for dead in await self._mark_dead(""):
-            removed += await self._collect(int(dead))
-        return removed
-
-    async def _mark_dead(self, only_id: str) -> list[bytes]:
-        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv]
-        return await self._call(
-            self._run("GC_MARK", keys, [self._prefix, only_id]), self.admin_deadline_s
-        )
-
-    async def _collect(self, worker_id: int) -> int:
-        keys = [self._w(worker_id), self._r(worker_id), self._k_reg, self._k_rv]
-        removed, done = 0, 0
-        while not done:
-            n, done = await self._call(
-                self._run("GC_CHUNK", keys, [self._prefix, worker_id, _GC_CHUNK]),
-                self.admin_deadline_s,
-            )
-            removed += n
-        self._workers.pop(worker_id, None)
-        self._loads.pop(worker_id, None)
-        return removed
+        ...
 
     async def close(self) -> None:
-        await self._redis.aclose()
+        """Release the connection."""
+        ...
+
+
+def open_index(
+    url: str,
+    model: str,
+    *,
+    deadline_s: float,
+    settings: IndexSettings | None = None,
+) -> PrefixIndex:
+    """The index of ``model`` in the store ``url`` names (chosen by its scheme).
+
+    ``deadline_s`` bounds the caller's frequent calls (lookups for a router, events for a
+    worker); ``settings`` holds the rest (default: :class:`IndexSettings`).
+    """
+    scheme = urlsplit(url).scheme
+    target = INDEX_STORES.get(scheme)
+    if target is None:
+        known = ", ".join(f"{s}://" for s in INDEX_STORES)
+        raise ValueError(f"no prefix index store serves {scheme or 'scheme-less'} URLs ({known})")
+    module, _, name = target.partition(":")
+    store = getattr(importlib.import_module(module), name)
+    return store(url, model, deadline_s=deadline_s, settings=settings)

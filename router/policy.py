@@ -41,20 +41,35 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from router.blocks import DEFAULT_BLOCK_SIZE
 from router.events import WorkerLoad
+
+
+def _weight(default: float, description: str) -> Any:
+    """A field whose description the cluster config's flags and README table show."""
+    return field(default=default, metadata={"description": description})
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    block_size: int = 16
-    default_prefill_tokens_per_s: float = 4000.0  # used until some worker has measured one
-    default_decode_tokens_per_s: float = 1000.0
-    uncached_weight: float = 2.0  # uncached tokens cost this request's TTFT + worker capacity
-    decode_weight: float = 0.5  # batched decode: one more sequence costs part of a token-time
-    predicted_credit: float = 0.95  # a predicted block is worth this much of a confirmed one
-    tie_tolerance_s: float = 0.001  # absorbs stale-load noise (about 2 running sequences)
+    """The cost model's weights: the ``router.weights`` part of the cluster config."""
+
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"internal": True})
+    default_prefill_tokens_per_s: float = _weight(
+        4000.0, "Prefill rate assumed until some worker has measured one")
+    default_decode_tokens_per_s: float = _weight(
+        1000.0, "Decode rate assumed until some worker has measured one")
+    uncached_weight: float = _weight(
+        2.0, "Cost of an uncached prompt token: this request's TTFT plus the worker's capacity")
+    decode_weight: float = _weight(
+        0.5, "Cost of one more decoding sequence, in token-times (decode is batched)")
+    predicted_credit: float = _weight(
+        0.95, "Worth of a predicted block against a confirmed one, in [0, 1]")
+    tie_tolerance_s: float = _weight(
+        0.001, "Costs this close tie (absorbs stale-load noise, about 2 running sequences)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -42,13 +42,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from router.events import EventBatch, KVEvent, WorkerLoad
-from router.index import (
-    ApplyResult,
-    IndexUnavailable,
-    PrefixIndex,
-    StaleEpoch,
-    UnknownWorker,
-)
+from router.index import IndexUnavailable, PrefixIndex, ResultCode, StaleEpoch, UnknownWorker
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -106,7 +100,7 @@ class EventPublisher:
         self._load = load
         self.heartbeat_interval_s = (
             heartbeat_interval_s if heartbeat_interval_s is not None
-            else index.lease_ttl_ms / 3000
+            else index.lease_ttl_s / 3
         )
         self.gc_interval_s = gc_interval_s
         self.max_pending_events = max_pending_events
@@ -321,7 +315,7 @@ class EventPublisher:
                 del self._pending[:take]
             if not events:
                 return
-            batch = EventBatch(self._worker_id, self.epoch, self._seq + 1, events, time.time())
+            batch = EventBatch(self._worker_id, self.epoch, self._seq + 1, events)
             self._busy = True
             try:
                 result = await self.index.apply(batch)
@@ -331,10 +325,10 @@ class EventPublisher:
             finally:
                 self._busy = False
             self._seq += 1
-            if result is ApplyResult.APPLIED:
+            if result is ResultCode.OK:
                 self.stats.batches += 1
                 self.stats.events += len(events)
-            elif result is ApplyResult.STALE_EPOCH:
+            elif result is ResultCode.STALE_EPOCH:
                 raise StaleEpoch(f"apply of {self.replica_id} fenced by a newer epoch")
             else:
                 self._mark_dirty()

@@ -1,4 +1,4 @@
-"""What travels through the Serve handle from the ingress to a worker replica.
+"""What travels through the Serve handle between the ingress and a worker replica.
 
 Token ids, not text: workers are token-in / token-out and the router hashes these ids. Sampling
 parameters travel as a plain dict so that `router` never imports `workers`.
@@ -16,4 +16,26 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     cache_salt: str | None = None  # already derived server-side (tenant); None = no salt
-    model: str = ""  # served model name
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's logprob and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
+
+
+@dataclass
+class TokenDelta:
+    """New tokens of one sample of one request from one engine step."""
+
+    index: int  # sample index (n > 1)
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    worker: str  # replica unique id (tests assert routing with it)

@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import itertools
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from router.serve_compat import (
+    FIFOMixin,
+    PendingRequest,
+    RequestRouter,
+    RunningReplica,
+    replica_key,
+)
 
 
 class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
@@ -25,7 +31,7 @@ class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
+        ordered = sorted(candidate_replicas, key=replica_key)
         start = next(self._turn) % len(ordered)
         rotation = ordered[start:] + ordered[:start]
         return [[rotation[0]], rotation[1:]] if len(rotation) > 1 else [rotation]

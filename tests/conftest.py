@@ -1,4 +1,9 @@
-"""Shared fixtures. One private redis-server per test module: tests may kill and restart it."""
+"""Shared fixtures. One private redis-server per test module: tests may kill and restart it.
+
+Two tiers: tests marked `cluster` (Ray/Serve, a redis-server) and the unit tier, everything
+else (`make test-unit`). The hooks below keep the split honest: a unit-tier test that asks for a
+redis-server fixture, starts a `LocalRedis`, or starts Ray fails at once with a clear error.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,50 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import ray
+import ray.cluster_utils
 
 from cluster.local_redis import LocalRedis, free_port
 
 TLS_PASSWORD = "tls-pw"
+
+# The unit-tier guard. It is set up in the setup hook rather than in an autouse fixture: pytest
+# builds module-scoped fixtures (redis_server, a module's Serve app) before any function-scoped
+# autouse fixture, so only a hook sees them start.
+CLUSTER_FIXTURES = ("redis_server", "tls_redis")
+_GUARD = pytest.StashKey[pytest.MonkeyPatch]()
+
+
+def _refuse(what: str, test: str):
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{test} {what} but is not marked `cluster`: mark it (or its module) "
+                           "with pytest.mark.cluster, or keep it off servers")
+    return refuse
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    if item.get_closest_marker("cluster") is None:
+        used = [name for name in CLUSTER_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used:
+            pytest.fail(f"{item.nodeid} uses {', '.join(used)} but is not marked `cluster`: mark "
+                        "it (or its module) with pytest.mark.cluster", pytrace=False)
+        guard = item.stash[_GUARD] = pytest.MonkeyPatch()
+        guard.setattr(LocalRedis, "start", _refuse("starts a redis-server", item.nodeid))
+        guard.setattr(ray, "init", _refuse("starts Ray (ray.init)", item.nodeid))
+        guard.setattr(ray.cluster_utils.Cluster, "__init__",
+                      _refuse("starts a Ray cluster", item.nodeid))
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    try:
+        return (yield)
+    finally:
+        guard = item.stash.get(_GUARD, None)
+        if guard is not None:
+            guard.undo()
 
 
 @pytest.fixture(scope="module")

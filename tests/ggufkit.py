@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
+from workers.byte_level import bytes_to_unicode
+
 QK_K = 256
 # Byte offsets of the fp16 scale fields in one 256-value block, and the block size in bytes.
 K_BLOCKS = {
@@ -66,10 +68,8 @@ def k_quant_bytes(shape: tuple[int, int], qtype: GGMLQuantizationType, seed: int
 
 def byte_level_vocab(size: int) -> tuple[list[str], list[str]]:
     """GPT-2's 256 byte characters, then two-letter tokens from merges ("a b" -> "ab")."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    extra = iter(range(256, 512))
-    chars = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    byte_chars = bytes_to_unicode()
+    chars = [byte_chars[b] for b in range(256)]
     letters = "abcdefghijklmnop"
     pairs = [a + " " + b for a in letters for b in letters][: size - 256]
     return chars + [p.replace(" ", "") for p in pairs], pairs

@@ -15,9 +15,9 @@ import pytest
 from ray import serve
 from servekit import replica_logs, serve_app, wait_for
 
-from cluster.api import WORKER_HEADER, _sse_body
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
+from cluster.render import WORKER_HEADER, sse_body
 from cluster.tokenizer import Tokenizer
 from workers.builtin import ensure_builtin_model
 from workers.checkpoints import BUILTIN_MODEL_NAME
@@ -63,6 +63,7 @@ def sse_events(url: str, path: str, body: dict) -> list[str]:
     return events
 
 
+@pytest.mark.cluster
 def test_models_and_health(base_url: str) -> None:
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{base_url}/v1/models").json()
@@ -74,6 +75,7 @@ def test_models_and_health(base_url: str) -> None:
     assert missing.json()["error"]["code"] == "model_not_found"
 
 
+@pytest.mark.cluster
 def test_completion(base_url: str, tok: Tokenizer) -> None:
     body = {"model": BUILTIN_MODEL_NAME, "prompt": "Hello there", "max_tokens": 8,
             "temperature": 0, "ignore_eos": True}
@@ -94,6 +96,7 @@ def test_completion(base_url: str, tok: Tokenizer) -> None:
     assert again["choices"][0]["text"] == choice["text"]  # greedy is deterministic
 
 
+@pytest.mark.cluster
 def test_completion_stream_matches_non_stream(base_url: str) -> None:
     body = {"prompt": [72, 105, 33], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     text = post(base_url, "/v1/completions", body).json()["choices"][0]["text"]
@@ -114,6 +117,7 @@ def test_completion_stream_matches_non_stream(base_url: str) -> None:
     assert all(json.loads(e).get("usage") is None for e in no_usage[:-1])
 
 
+@pytest.mark.cluster
 def test_chat(base_url: str) -> None:
     body = {"messages": [{"role": "system", "content": "be brief"},
                          {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
@@ -138,6 +142,7 @@ def test_chat(base_url: str) -> None:
     assert content == msg["content"]
 
 
+@pytest.mark.cluster
 def test_n_samples_and_seed(base_url: str) -> None:
     body = {"prompt": "abc", "max_tokens": 5, "n": 3, "seed": 11, "temperature": 1.0,
             "ignore_eos": True}
@@ -151,6 +156,7 @@ def test_n_samples_and_seed(base_url: str) -> None:
     assert batch["usage"]["completion_tokens"] == 12
 
 
+@pytest.mark.cluster
 def test_stop_string_truncates(base_url: str) -> None:
     body = {"prompt": "The stop test", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     text = post(base_url, "/v1/completions", body).json()["choices"][0]["text"]
@@ -168,6 +174,7 @@ def test_stop_string_truncates(base_url: str) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+@pytest.mark.cluster
 def test_logprobs(base_url: str) -> None:
     out = post(base_url, "/v1/completions", {"prompt": "log", "max_tokens": 4, "logprobs": 2,
                                              "temperature": 0, "ignore_eos": True}).json()
@@ -187,6 +194,7 @@ def test_logprobs(base_url: str) -> None:
     assert all(c["logprob"] <= 0 for c in content)
 
 
+@pytest.mark.cluster
 def test_shared_prefix_reports_cached_tokens(base_url: str) -> None:
     shared = "You are a helpful assistant. " * 12  # ~360 byte tokens: many full blocks
     first = post(base_url, "/v1/completions",
@@ -203,6 +211,7 @@ def test_shared_prefix_reports_cached_tokens(base_url: str) -> None:
     assert salted.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+@pytest.mark.cluster
 def test_openai_client(base_url: str) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
     comp = client.completions.create(model=BUILTIN_MODEL_NAME, prompt="Hi", max_tokens=4,
@@ -229,6 +238,7 @@ def test_openai_client(base_url: str) -> None:
     assert info.value.body["param"] == "max_tokens"
 
 
+@pytest.mark.cluster
 @pytest.mark.parametrize(
     ("path", "body", "status", "param"),
     [
@@ -263,6 +273,7 @@ def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str,
     assert error["type"] == "invalid_request_error"
 
 
+@pytest.mark.cluster
 def test_context_error_mentions_the_limit_and_cluster_keeps_serving(base_url: str) -> None:
     r = post(base_url, "/v1/completions", {"prompt": "x" * 600, "stream": True})
     assert r.status_code == 400
@@ -286,6 +297,7 @@ def _engines_idle(deadline_s: float = 20.0) -> bool:
     return False
 
 
+@pytest.mark.cluster
 def test_client_disconnect_frees_the_worker(base_url: str) -> None:
     body = {"prompt": "long story", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
@@ -301,7 +313,7 @@ async def test_error_mid_stream_sends_error_event_then_done() -> None:
         yield "data: {}\n\n"
         raise RuntimeError("worker died")
 
-    out = [c async for c in _sse_body("data: first\n\n", chunks())]
+    out = [c async for c in sse_body("data: first\n\n", chunks())]
     assert out[0] == "data: first\n\n"
     assert out[-1] == "data: [DONE]\n\n"
     error = json.loads(out[-2].removeprefix("data: "))["error"]
@@ -319,6 +331,7 @@ def _scrape(names: list[str], deadline_s: float = 30.0) -> dict[str, list[str]]:
         time.sleep(0.5)
 
 
+@pytest.mark.cluster
 def test_prometheus_metrics_per_worker(base_url: str) -> None:
     system = "Metrics are labelled by worker. " * 12
     for question in ("one", "two"):
@@ -337,6 +350,7 @@ def test_prometheus_metrics_per_worker(base_url: str) -> None:
     assert hits and max(float(ln.rsplit(" ", 1)[1]) for ln in hits) > 0
 
 
+@pytest.mark.cluster
 def test_access_log_has_a_line_per_request_by_default(base_url: str) -> None:
     resp = httpx.post(f"{base_url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
     assert resp.status_code == 200

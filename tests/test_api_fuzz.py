@@ -19,6 +19,8 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
+pytestmark = pytest.mark.cluster
+
 APP = "prefixserve-fuzz-test"
 MAX_BODY = 256 * 1024
 FUZZ_EXAMPLES = 30  # per operation and mode: ~150 cases in ~10 s

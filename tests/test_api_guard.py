@@ -26,8 +26,10 @@ from servekit import serve_app
 from cluster.config import ClusterConfig
 from cluster.local_redis import free_port
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex, key_tag
+from router.redis_index import RedisPrefixIndex, key_tag
 from workers.checkpoints import BUILTIN_MODEL_NAME
+
+pytestmark = pytest.mark.cluster
 
 APP = "prefixserve-guard-test"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
@@ -112,7 +114,7 @@ def _index_holds_only_salted_digests(redis_url: str) -> None:
                 for d in hash_chain(PROMPT, 16, namespace(stats["fingerprint"], salt))}
 
     async def lookup() -> None:
-        index = PrefixIndex(redis_url, BUILTIN_MODEL_NAME, deadline_s=2.0)
+        index = RedisPrefixIndex(redis_url, BUILTIN_MODEL_NAME, deadline_s=2.0)
         try:
             for salt in (None, "shared"):
                 chain = hash_chain(PROMPT, 16, namespace(stats["fingerprint"], salt))

@@ -1,6 +1,6 @@
-"""Worker streams at the ingress: `_merge` interleaves them and re-sends a prompt whose worker
-died before any of its output was passed on; `to_api_error` maps worker failures. Plain async
-iterators stand in for Serve's response generators; the cluster-level behaviour is in
+"""Worker streams at the ingress: `merge_streams` interleaves them and re-sends a prompt whose
+worker died before any of its output was passed on; `to_api_error` maps worker failures. Plain
+async iterators stand in for Serve's response generators; the cluster-level behaviour is in
 tests/test_faults_cluster.py (a replica killed under load)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, TaskCancelledError
 
-from cluster.api import MAX_WORKER_RETRIES, _merge, to_api_error
+from cluster.generation import MAX_WORKER_RETRIES, merge_streams, to_api_error
 
 
 class Stream:
@@ -51,7 +51,7 @@ def merged(start, count: int):
     shown: set[int] = set()
 
     async def gen():
-        async for i, item in _merge(start, count, lambda _: False, lambda i: i not in shown):
+        async for i, item in merge_streams(start, count, lambda _: False, lambda i: i not in shown):
             shown.add(i)
             yield i, item
 
@@ -84,7 +84,7 @@ async def test_output_not_passed_on_yet_does_not_stop_a_retry() -> None:
     first, again = Stream(["partial"], die_after=1), Stream(["whole"])
     start, started = starter({0: [first, again]})
     passed_on: list[str] = []
-    async for _, item in _merge(start, 1, lambda _: False, lambda _: not passed_on):
+    async for _, item in merge_streams(start, 1, lambda _: False, lambda _: not passed_on):
         if item != "partial":
             passed_on.append(item)
     assert passed_on == ["whole"] and started == {0: 2}
@@ -101,7 +101,7 @@ async def test_retries_are_bounded() -> None:
 async def test_a_consumer_that_stops_cancels_the_unfinished_streams() -> None:
     a, b = Stream(["a1", "a2", "a3"]), Stream(["b1", "b2", "b3"])
     start, _ = starter({0: [a], 1: [b]})
-    stream = _merge(start, 2, lambda _: False, lambda _: True)
+    stream = merge_streams(start, 2, lambda _: False, lambda _: True)
     await stream.__anext__()
     await stream.aclose()
     assert a.cancelled and b.cancelled

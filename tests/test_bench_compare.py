@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from bench.cli import busiest_first_sums
 from bench.compare import side_by_side
+from bench.outputs import busiest_first_sums
 from bench.report import median_summary, pooled_label
 from bench.runner import RunResult
 

@@ -11,7 +11,7 @@ import pytest
 
 from bench.cli import main
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 def test_compare_on_the_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

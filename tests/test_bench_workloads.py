@@ -19,7 +19,7 @@ from bench.workloads import (
 )
 
 TOK = Tokens(vocab_size=50_000, seed=7)
-REAL_TRACE = Path(__file__).resolve().parents[2] / "shared/traces/mooncake_synthetic_trace.jsonl"
+REAL_TRACE = Path(__file__).resolve().parent / "data/mooncake_synthetic_trace_head.jsonl"
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -127,7 +127,6 @@ def test_trace_max_input_and_slice(tmp_path: Path) -> None:
     assert [p.group for p in prompts] == ["row3", "row4", "row5", "row6"]
 
 
-@pytest.mark.skipif(not REAL_TRACE.exists(), reason="shared traces not present")
 def test_real_mooncake_trace_expands_within_the_cap() -> None:
     trace = Trace(REAL_TRACE, max_input=2048, limit=50)
     sessions = trace.sessions(Tokens(vocab_size=256))

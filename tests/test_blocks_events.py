@@ -10,13 +10,12 @@ from router.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventBatch,
     EventDecodeError,
     WorkerLoad,
-    decode_batch,
     decode_load,
-    encode_batch,
+    encode_events,
     encode_load,
+    pack_digests,
 )
 
 NS = namespace("tiny-llama")
@@ -71,42 +70,36 @@ def test_layout_is_not_string_joining() -> None:
         hash_block(b"short", [1])
 
 
-def test_batch_round_trip() -> None:
+def test_event_op_stream_layout() -> None:
+    # The index's apply script parses exactly this: op | u32 BE count | count x 16-byte digest.
     h = hash_chain(list(range(48)), 16, NS)
-    batch = EventBatch(
-        worker_id=3,
-        epoch=7,
-        seq=42,
-        events=(BlockStored(tuple(h), None), BlockRemoved((h[2],)), AllBlocksCleared()),
-        timestamp=12.5,
+    events = (BlockStored((h[0], h[1])), BlockRemoved((h[2],)), AllBlocksCleared())
+    assert encode_events(events) == (
+        b"S\x00\x00\x00\x02" + h[0] + h[1] + b"R\x00\x00\x00\x01" + h[2] + b"C\x00\x00\x00\x00"
     )
-    assert decode_batch(encode_batch(batch)) == batch
-    assert msgpack.unpackb(encode_batch(batch))["events"][0]["type"] == "stored"
+    assert encode_events([]) == b""
+    assert encode_events([BlockStored(())]) == b"S\x00\x00\x00\x00"
+    many = tuple(hash_chain(list(range(16 * 300)), 16, NS))
+    assert encode_events([BlockRemoved(many)])[:5] == b"R\x00\x00\x01\x2c"  # 300
 
 
-@pytest.mark.parametrize(
-    "payload",
-    [
-        b"",
-        b"\xc1",
-        encode_batch(EventBatch(1, 1, 1, ()))[:-3],
-        msgpack.packb([1, 2, 3]),
-        msgpack.packb({"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1, "events": {}}),
-        msgpack.packb({"type": "batch", "v": 1, "worker": -1, "epoch": 1, "seq": 1, "events": []}),
-        msgpack.packb({"type": "batch", "v": 9, "worker": 1, "epoch": 1, "seq": 1, "events": []}),
-        msgpack.packb(
-            {"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1,
-             "events": [{"type": "stored", "hashes": [b"short"]}]}
-        ),
-        msgpack.packb(
-            {"type": "batch", "v": 1, "worker": 1, "epoch": 1, "seq": 1,
-             "events": [{"type": "exploded"}]}
-        ),
-    ],
-)
-def test_malformed_batches_rejected(payload: bytes) -> None:
-    with pytest.raises(EventDecodeError):
-        decode_batch(payload)
+@pytest.mark.parametrize("hashes", [(b"short",), (b"x" * 15, b"y" * 17), (b"",), (b"z" * 17,)])
+def test_op_stream_rejects_digests_of_the_wrong_length(hashes: tuple[bytes, ...]) -> None:
+    with pytest.raises(ValueError):
+        encode_events([BlockStored(hashes)])
+    with pytest.raises(ValueError):
+        pack_digests(hashes)
+
+
+def test_op_stream_rejects_what_is_not_an_event() -> None:
+    with pytest.raises(TypeError):
+        encode_events([("stored", b"x" * 16)])
+
+
+def test_pack_digests_concatenates_in_order() -> None:
+    h = hash_chain(list(range(48)), 16, NS)
+    assert pack_digests(h) == h[0] + h[1] + h[2]
+    assert pack_digests([]) == b""
 
 
 def test_load_round_trip_and_validation() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import REDIS_URL_ENV, ClusterConfig, config_table
+from cluster.config import REDIS_URL_ENV, ClusterConfig, config_table, leaves
 
 REDIS = "redis://127.0.0.1:6399/0"
 
@@ -29,21 +29,50 @@ def _checkpoint(path: Path, tokenizer: bool = True) -> Path:
 def test_cpu_defaults() -> None:
     cfg = ClusterConfig(redis_url=REDIS)
     assert cfg.policy == "prefix"
-    assert cfg.num_workers == 2
-    assert cfg.worker_cpus == 0.5  # fractional: a 2-core box must fit ingress + 2 workers
-    engine = cfg.engine_config()
-    assert engine["dtype"] == "float32"
-    assert engine["device"] == "cpu"
-    assert engine["block_size"] == 16
+    assert cfg.workers.num_workers == 2
+    assert cfg.workers.cpus == 0.5  # fractional: a 2-core box must fit ingress + 2 workers
+    assert cfg.engine.dtype_for("cpu") == "float32"
+    assert cfg.engine.block_size == 16
 
 
 def test_gpu_derivations() -> None:
     cfg = ClusterConfig(redis_url=REDIS, gpus_per_worker=1)
-    assert cfg.worker_cpus == 1.0
-    assert cfg.engine_config()["dtype"] == "bfloat16"
-    assert cfg.engine_config()["device"] == "cuda"
-    assert ClusterConfig(redis_url=REDIS, gpus_per_worker=1, dtype="float16").resolved_dtype() \
-        == "float16"
+    assert cfg.workers.cpus == 1.0
+    assert cfg.engine.dtype_for("cuda") == "bfloat16"
+    assert ClusterConfig(redis_url=REDIS, dtype="float16").engine.dtype_for("cuda") == "float16"
+
+
+def test_flat_dashed_and_nested_settings_build_one_tree() -> None:
+    flat = ClusterConfig(redis_url=REDIS, block_size=32, lease_ttl_s=5, lookup_deadline_s=0.1,
+                         uncached_weight=3.0, ingress_replicas=2, num_workers=3)
+    nested = ClusterConfig.model_validate({
+        "redis_url": REDIS, "engine": {"block_size": 32}, "index": {"lease_ttl_s": 5},
+        "router": {"lookup_deadline_s": 0.1, "weights": {"uncached_weight": 3.0}},
+        "ingress": {"ingress_replicas": 2}, "workers": {"num_workers": 3}})
+    dashed = ClusterConfig.model_validate({
+        "redis-url": REDIS, "block-size": 32, "lease-ttl-s": 5, "lookup-deadline-s": 0.1,
+        "uncached-weight": 3.0, "ingress-replicas": 2, "num-workers": 3})
+    assert flat == nested == dashed
+    assert (flat.engine.block_size, flat.index.lease_ttl_s, flat.router.lookup_deadline_s) \
+        == (32, 5.0, 0.1)
+    assert flat.router.weights.uncached_weight == 3.0
+    assert (flat.ingress.ingress_replicas, flat.workers.num_workers) == (2, 3)
+    with pytest.raises(ValidationError, match="block_size is given twice"):
+        ClusterConfig.model_validate({"redis_url": REDIS, "block_size": 8,
+                                      "engine": {"block_size": 32}})
+
+
+def test_router_weights_count_the_engines_blocks() -> None:
+    from router.router_state import RouterSettings
+
+    settings = RouterSettings.model_validate({"block_size": 64, "weights": {"decode_weight": 1}})
+    assert settings.weights.block_size == 64 and settings.weights.decode_weight == 1.0
+
+
+def test_internal_fields_are_not_settings() -> None:
+    names = {leaf.name for leaf in leaves()}
+    assert {"device", "model_fingerprint", "fingerprint", "prefix_routing"}.isdisjoint(names)
+    assert {"block_size", "lease_ttl_s", "lookup_deadline_s", "decode_weight"} <= names
 
 
 def test_redis_url_from_env_and_required_for_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,7 +90,8 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
         {"num_workers": "3", "gpus_per_worker": "0", "enable_prefix_caching": "false",
          "policy": "round_robin", "port": "8123"}
     )
-    assert (cfg.num_workers, cfg.enable_prefix_caching, cfg.port) == (3, False, 8123)
+    assert (cfg.workers.num_workers, cfg.engine.enable_prefix_caching, cfg.port) \
+        == (3, False, 8123)
 
 
 @pytest.mark.parametrize(
@@ -101,8 +131,8 @@ def test_model_path_checks(tmp_path: Path) -> None:
 
 def test_config_table_lists_every_field() -> None:
     table = config_table()
-    for name in ClusterConfig.model_fields:
-        assert f"`{name}`" in table
+    for leaf in leaves():
+        assert f"`{leaf.name}`" in table
     assert "`--num-workers`" in table
     readme = (Path(__file__).parent.parent / "README.md").read_text()
     assert table in readme, "regenerate README's table from cluster.config.config_table()"
@@ -121,7 +151,8 @@ def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None
     assert fields == {"num_workers": "3", "policy": "round_robin", "block_size": 32,
                       "enable_prefix_caching": False, "max_model_len": "1024"}
     cfg = ClusterConfig.model_validate(fields)
-    assert (cfg.num_workers, cfg.block_size, cfg.max_model_len) == (3, 32, 1024)
+    assert (cfg.workers.num_workers, cfg.engine.block_size, cfg.engine.max_model_len) \
+        == (3, 32, 1024)
     assert config_from_args(build_parser().parse_args(["serve"])) == {}
 
 
@@ -134,6 +165,7 @@ def test_app_builder_validates_its_args() -> None:
         app_builder({"policy": "prefix"})
 
 
+@pytest.mark.cluster
 def test_cli_rejects_a_bad_config_before_starting_ray(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,10 +21,10 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.api import WORKER_HEADER
 from cluster.app import app_builder
 from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
+from cluster.render import WORKER_HEADER
 from router.request_router import PrefixAwareRequestRouter
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
@@ -60,7 +60,7 @@ def test_serve_config_schema_import_path_and_args() -> None:
     args = dict(app.args)
     args.pop("model")  # a path on the GPU nodes, not on this machine
     parsed = ClusterConfig.model_validate({**args, "redis_url": "redis://redis:6379/0"})
-    assert parsed.gpus_per_worker == 1
+    assert parsed.workers.gpus_per_worker == 1
     assert parsed.policy == "prefix"
     workers = {d.name: d for d in app.deployments}["LLMWorker"]
     assert workers.ray_actor_options.num_gpus == 1
@@ -68,8 +68,9 @@ def test_serve_config_schema_import_path_and_args() -> None:
     assert router["request_router_class"] == "router.request_router:PrefixAwareRequestRouter"
     module, attr = router["request_router_class"].split(":")
     assert getattr(__import__(module, fromlist=[attr]), attr) is PrefixAwareRequestRouter
-    assert router["request_router_kwargs"]["block_size"] == parsed.block_size
-    assert router["request_router_kwargs"]["model"] == parsed.served_model_name
+    settings = router["request_router_kwargs"]["settings"]
+    assert settings["block_size"] == parsed.engine.block_size
+    assert settings["model"] == parsed.served_model_name
     assert workers.autoscaling_config["max_replicas"] >= workers.autoscaling_config["min_replicas"]
 
 
@@ -131,7 +132,8 @@ def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
     workers = deployments["LLMWorker"]
     workers["ray_actor_options"] = {"num_cpus": 0.5, "num_gpus": 0}
     workers["autoscaling_config"].update(min_replicas=2, initial_replicas=2, max_replicas=2)
-    workers["request_router_config"]["request_router_kwargs"]["model"] = BUILTIN_MODEL_NAME
+    workers["request_router_config"]["request_router_kwargs"]["settings"]["model"] = \
+        BUILTIN_MODEL_NAME
     deployments["OpenAIIngress"].update(num_replicas=1, ray_actor_options={"num_cpus": 0.25})
     return config
 
@@ -162,6 +164,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[str]:
         ray.shutdown()
 
 
+@pytest.mark.cluster
 def test_serve_config_answers_a_chat_completion(deployed: str) -> None:
     body = {
         "model": BUILTIN_MODEL_NAME,
@@ -177,6 +180,7 @@ def test_serve_config_answers_a_chat_completion(deployed: str) -> None:
     assert 1 <= out["usage"]["completion_tokens"] <= 4
 
 
+@pytest.mark.cluster
 def test_serve_config_routes_by_prefix(deployed: str) -> None:
     # The YAML's router kwargs carry no Redis URL: the router finds the index through
     # PREFIXSERVE_REDIS_URL, as it does on KubeRay. Load-only routing would split these pairs.

@@ -21,19 +21,18 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from cluster.api import WORKER_HEADER
 from cluster.app import build_app
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
+from cluster.render import WORKER_HEADER
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex, WorkerInfo
+from router.index import WorkerInfo, open_index
 from workers.builtin import ensure_builtin_model
-from workers.checkpoints import BUILTIN_MODEL_NAME
-from workers.engine import checkpoint_fingerprint
+from workers.checkpoints import BUILTIN_MODEL_NAME, checkpoint_fingerprint
 
 LEASE_TTL_S = 3.0
 BLOCK = 16
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
 
 @dataclass
@@ -66,7 +65,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
 
 def live_workers(url: str) -> list[WorkerInfo]:
     async def go() -> list[WorkerInfo]:
-        index = PrefixIndex(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
+        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
         try:
             return await index.live_workers()
         finally:
@@ -80,7 +79,7 @@ def depths(url: str, tokens: list[int]) -> dict[str, int]:
     ns = namespace(checkpoint_fingerprint(ensure_builtin_model()))
 
     async def go() -> dict[str, int]:
-        index = PrefixIndex(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
+        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
         try:
             found = await index.lookup(hash_chain(tokens, BLOCK, ns))
             return {m.replica_id: m.confirmed_depth for m in found.matches.values()}

@@ -23,7 +23,8 @@ from transformers import (
 
 from router.blocks import hash_chain
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored
-from workers.engine import EngineConfig, LLMEngine
+from workers.engine import LLMEngine
+from workers.engine_types import EngineConfig
 from workers.errors import InvalidRequestError
 from workers.sampling import SamplingParams
 
@@ -253,13 +254,13 @@ def test_exact_event_stream(llama) -> None:
     (ra,) = eng.generate([a], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     ha = hash_chain(a + ra.samples[0].token_ids, 4, ns)
     # prefill stores blocks 0-1; the step writing token 11 completes and stores block 2
-    assert batches == [[BlockStored((ha[0], ha[1]), None)], [BlockStored((ha[2],), ha[1])]]
+    assert batches == [[BlockStored((ha[0], ha[1]))], [BlockStored((ha[2],))]]
     batches.clear()
     # 5 new blocks: the unused one, then the LRU chain tail first
     b = list(range(100, 117))
     eng.generate([b], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     hb = hash_chain(b, 4, ns)
-    assert batches == [[BlockRemoved((ha[2], ha[1])), BlockStored(tuple(hb), None)]]
+    assert batches == [[BlockRemoved((ha[2], ha[1])), BlockStored(tuple(hb))]]
     assert set(eng.cached_block_hashes()) == {ha[0], *hb}
     batches.clear()
     eng.reset_prefix_cache()

@@ -11,7 +11,9 @@ from test_kv_cache import BS, admit, chain, check_invariants
 from router.blocks import hash_chain
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from workers.builtin import ensure_builtin_model
-from workers.engine import EngineConfig, LLMEngine, StepFailedError
+from workers.engine import LLMEngine
+from workers.engine_types import EngineConfig
+from workers.errors import StepFailedError
 from workers.kv_cache import KVCacheManager
 from workers.sampling import SamplingParams
 
@@ -165,6 +167,6 @@ def test_rollback_unhashes_blocks_freed_within_the_step() -> None:
     kv.free("a")  # e.g. a sample retired before the step raised
     kv.rollback_step()
     a = chain([*range(8), 9, 9, 9, 9])
-    assert kv.take_events() == [BlockStored((a[2],), a[1]), BlockRemoved((a[2],))]
+    assert kv.take_events() == [BlockStored((a[2],)), BlockRemoved((a[2],))]
     assert kv.cached_hashes() == a[:2]  # committed earlier: still valid
     check_invariants(kv)  # the unhashed block moved to the front of the free queue

@@ -40,7 +40,7 @@ from bench.soak import (
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex
+from router.index import PrefixIndex, open_index
 from router.request_router import NoSuchReplica
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
@@ -48,7 +48,7 @@ APP = "prefixserve-faults"
 MODEL = "prefixserve-tiny"
 LEASE_TTL_S = 3.0
 BLOCK = 16
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def report(name: str, outcomes, **extra) -> dict:
 
 
 async def index_call(url: str, fn):
-    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    index = open_index(url, MODEL, deadline_s=1.0)
     try:
         return await fn(index)
     finally:
@@ -201,7 +201,7 @@ def test_junk_in_the_index_under_load_never_fails_a_request(
 ) -> None:
     import redis as redis_lib
 
-    from router.index import key_tag
+    from router.redis_index import key_tag
 
     stats = worker_stats(APP)
     (_, sa), (_, sb) = sorted(stats.items())

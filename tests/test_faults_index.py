@@ -23,8 +23,11 @@ import redis
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import BlockStored, EventBatch, EventDecodeError, WorkerLoad, decode_load
-from router.index import ApplyResult, IndexUnavailable, PrefixIndex, UnknownWorker
+from router.index import IndexSettings, IndexUnavailable, ResultCode, UnknownWorker
 from router.publisher import EventPublisher
+from router.redis_index import RedisPrefixIndex
+
+pytestmark = pytest.mark.cluster
 
 NS = namespace("test-model")
 
@@ -35,8 +38,8 @@ def chain_of(seed: int, n: int) -> list[bytes]:
 
 @pytest.fixture
 async def index(redis_server: LocalRedis):
-    idx = PrefixIndex(redis_server.url, "h" + uuid.uuid4().hex[:7], deadline_s=1.0,
-                      lease_ttl_s=5.0)
+    idx = RedisPrefixIndex(redis_server.url, "h" + uuid.uuid4().hex[:7], deadline_s=1.0,
+                      settings=IndexSettings(lease_ttl_s=5.0))
     yield idx
     await idx.close()
 
@@ -48,7 +51,7 @@ def raw(redis_server: LocalRedis):
     r.close()
 
 
-async def two_workers(idx: PrefixIndex, ch: list[bytes]) -> tuple[int, int]:
+async def two_workers(idx: RedisPrefixIndex, ch: list[bytes]) -> tuple[int, int]:
     a = await idx.register("A", epoch=1, block_size=4, fingerprint="fp")
     b = await idx.register("B", epoch=1, block_size=4, fingerprint="fp")
     await idx.apply(EventBatch(a, 1, 1, (BlockStored(tuple(ch)),)))
@@ -58,16 +61,16 @@ async def two_workers(idx: PrefixIndex, ch: list[bytes]) -> tuple[int, int]:
     return a, b
 
 
-def key(idx: PrefixIndex, suffix: str | bytes) -> bytes:
+def key(idx: RedisPrefixIndex, suffix: str | bytes) -> bytes:
     s = suffix.encode() if isinstance(suffix, str) else suffix
     return b"{" + idx.tag.encode() + b"}" + s
 
 
-async def depths(idx: PrefixIndex, ch: list[bytes]) -> dict[str, int]:
+async def depths(idx: RedisPrefixIndex, ch: list[bytes]) -> dict[str, int]:
     return {k: m.confirmed_depth for k, m in (await idx.lookup(ch)).matches.items()}
 
 
-async def test_garbage_predicted_entries_are_ignored(index: PrefixIndex, raw) -> None:
+async def test_garbage_predicted_entries_are_ignored(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(1, 4)
     _a, b = await two_workers(index, ch)
     # Predicted-entry keys hold "2-byte id + 13-digit expiry" records; these are not.
@@ -79,7 +82,7 @@ async def test_garbage_predicted_entries_are_ignored(index: PrefixIndex, raw) ->
     assert result.matches["B"].predicted_depth == 4
 
 
-async def test_junk_in_the_live_set_is_skipped(index: PrefixIndex, raw) -> None:
+async def test_junk_in_the_live_set_is_skipped(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(2, 3)
     a, b = await two_workers(index, ch)
     far = 2**40
@@ -93,7 +96,7 @@ async def test_junk_in_the_live_set_is_skipped(index: PrefixIndex, raw) -> None:
 
 
 async def test_corrupt_worker_record_skips_that_worker_and_it_recovers(
-    index: PrefixIndex, raw, caplog
+    index: RedisPrefixIndex, raw, caplog
 ) -> None:
     ch = chain_of(3, 3)
     a, _b = await two_workers(index, ch)
@@ -104,24 +107,24 @@ async def test_corrupt_worker_record_skips_that_worker_and_it_recovers(
     # A's publisher: its batch asks for a resync, the resync finds it unregistered, it
     # registers again (same id, fresh record) and resyncs; everything is exact again.
     assert await index.apply(EventBatch(a, 1, 2, (BlockStored(tuple(ch)),))) \
-        is ApplyResult.RESYNC_NEEDED
+        is ResultCode.RESYNC_NEEDED
     with pytest.raises(UnknownWorker):
         await index.resync(a, 1, ch, 2)
     assert not await index.heartbeat(a, 1, WorkerLoad())
     assert await index.register("A", epoch=1, block_size=4, fingerprint="fp") == a
     await index.resync(a, 1, ch, 2)
-    assert await index.apply(EventBatch(a, 1, 3, ())) is ApplyResult.APPLIED
+    assert await index.apply(EventBatch(a, 1, 3, ())) is ResultCode.OK
     assert await index.heartbeat(a, 1, WorkerLoad())
     assert await depths(index, ch) == {"A": 3, "B": 2}
 
 
-async def test_worker_record_of_the_wrong_type(index: PrefixIndex, raw) -> None:
+async def test_worker_record_of_the_wrong_type(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(4, 3)
     a, _b = await two_workers(index, ch)
     raw.delete(key(index, f"w:{a}"))
     raw.set(key(index, f"w:{a}"), b"not a hash")
     assert await depths(index, ch) == {"B": 2}
-    assert await index.apply(EventBatch(a, 1, 2, ())) is ApplyResult.RESYNC_NEEDED
+    assert await index.apply(EventBatch(a, 1, 2, ())) is ResultCode.RESYNC_NEEDED
     with pytest.raises(UnknownWorker):
         await index.resync(a, 1, ch, 2)
     assert not await index.heartbeat(a, 1, WorkerLoad())
@@ -131,7 +134,7 @@ async def test_worker_record_of_the_wrong_type(index: PrefixIndex, raw) -> None:
     assert await index.heartbeat(a, 1, WorkerLoad())
 
 
-async def test_garbage_in_the_registry(index: PrefixIndex, raw) -> None:
+async def test_garbage_in_the_registry(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(5, 3)
     a, b = await two_workers(index, ch)
     raw.hset(key(index, "ids"), mapping={"C": "not-an-id", "D": "777"})  # 777: no such worker
@@ -148,7 +151,7 @@ async def test_garbage_in_the_registry(index: PrefixIndex, raw) -> None:
     assert await depths(index, ch) == {"A": 3, "C": 1, "D": 0}
 
 
-async def test_truncated_or_hostile_load_records(index: PrefixIndex, raw) -> None:
+async def test_truncated_or_hostile_load_records(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(6, 2)
     a, b = await two_workers(index, ch)
     good = msgpack.packb({"type": "load", "num_running": 3})
@@ -165,12 +168,12 @@ async def test_truncated_or_hostile_load_records(index: PrefixIndex, raw) -> Non
             decode_load(msgpack.packb({"type": "load", "prefill_tokens_per_s": hostile}))
 
 
-async def test_events_for_a_worker_that_does_not_exist(index: PrefixIndex, raw) -> None:
+async def test_events_for_a_worker_that_does_not_exist(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(7, 3)
     _a, _b = await two_workers(index, ch)
     ghost = 4242
     assert await index.apply(EventBatch(ghost, 1, 1, (BlockStored(tuple(ch)),))) \
-        is ApplyResult.RESYNC_NEEDED
+        is ResultCode.RESYNC_NEEDED
     with pytest.raises(UnknownWorker):
         await index.resync(ghost, 1, ch, 1)
     assert not await index.heartbeat(ghost, 1, WorkerLoad())
@@ -180,7 +183,7 @@ async def test_events_for_a_worker_that_does_not_exist(index: PrefixIndex, raw) 
     assert not raw.exists(key(index, f"w:{ghost}"), key(index, f"r:{ghost}"))
 
 
-async def test_block_values_with_junk(index: PrefixIndex, raw) -> None:
+async def test_block_values_with_junk(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(8, 4)
     a, b = await two_workers(index, ch)
     raw.hset(key(index, "B"), mapping={ch[2]: b"\x00" + raw.hget(key(index, "B"), ch[2]),
@@ -190,14 +193,14 @@ async def test_block_values_with_junk(index: PrefixIndex, raw) -> None:
     assert (await depths(index, ch))["B"] == 4  # the junk values were replaced, not extended
     await index.resync(a, 1, ch[:2], 2)
     assert (await depths(index, ch))["A"] == 2
-    assert await index.apply(EventBatch(a, 1, 3, ())) is ApplyResult.APPLIED
+    assert await index.apply(EventBatch(a, 1, 3, ())) is ResultCode.OK
     await index.deregister(a)
     assert "A" not in await depths(index, ch)
 
 
 @pytest.mark.parametrize("victim", ["B", "live", "load", "rv", "lv", "reg", "ids"])
 async def test_a_shared_key_of_the_wrong_type_is_unavailable_never_another_error(
-    index: PrefixIndex, raw, victim: str
+    index: RedisPrefixIndex, raw, victim: str
 ) -> None:
     ch = chain_of(9, 3)
     a, _b = await two_workers(index, ch)
@@ -228,7 +231,8 @@ async def test_redis_restarted_empty_and_ids_swapped_does_not_fence_a_live_worke
     engines: dict[str, set[bytes]] = {"A": set(), "B": set()}
 
     def publisher(rid: str, epoch: int, heartbeat_s: float) -> EventPublisher:
-        idx = PrefixIndex(redis_server.url, model, deadline_s=1.0, lease_ttl_s=30.0)
+        idx = RedisPrefixIndex(redis_server.url, model, deadline_s=1.0,
+                               settings=IndexSettings(lease_ttl_s=30.0))
         return EventPublisher(idx, replica_id=rid, epoch=epoch, block_size=4, fingerprint="fp",
                               snapshot=lambda: list(engines[rid]),
                               heartbeat_interval_s=heartbeat_s)
@@ -261,7 +265,7 @@ async def test_redis_restarted_empty_and_ids_swapped_does_not_fence_a_live_worke
         assert not a.fenced
         assert a.worker_id == 2
         async with contextlib.AsyncExitStack() as stack:
-            idx = PrefixIndex(redis_server.url, model, deadline_s=1.0)
+            idx = RedisPrefixIndex(redis_server.url, model, deadline_s=1.0)
             stack.push_async_callback(idx.close)
             assert await depths(idx, ca) == {"A": 4, "B": 0}
             assert await depths(idx, more) == {"A": 2, "B": 0}

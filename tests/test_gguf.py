@@ -19,10 +19,11 @@ from ggufkit import write_gguf
 
 from cluster.cli import main
 from workers.checkpoints import convert_gguf, resolve_checkpoint
-from workers.engine import EngineConfig, LLMEngine
+from workers.engine import LLMEngine
+from workers.engine_types import EngineConfig
 from workers.gguf import GGUFError, GGUFFile
-from workers.loader import load_model
-from workers.model_config import load_model_config
+from workers.models.config import load_model_config
+from workers.models.loader import load_model
 from workers.sampling import SamplingParams
 
 # Widths are multiples of 256 so every weight can take a K-quant (256-value blocks).

@@ -193,6 +193,7 @@ def smol_chat() -> Tokenizer:
     return Tokenizer(SMOLLM2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("special", [True, False])
 def test_smollm2_encodes_like_transformers(smol: HFTokenizer, smol_reference: AutoTokenizer,
                                            special: bool) -> None:
@@ -213,6 +214,7 @@ def test_smollm2_splits_digits_and_keeps_special_tokens_whole(smol: HFTokenizer)
     assert smol.decode(enc.ids) == "user\nhi"  # special tokens skipped
 
 
+@pytest.mark.slow
 def test_smollm2_digits_follow_its_tokenizer_json_not_transformers(
         smol: HFTokenizer, smol_reference: AutoTokenizer) -> None:
     """transformers ignores `pre = smollm`; llama.cpp and SmolLM2's tokenizer.json do not."""
@@ -227,6 +229,7 @@ def test_smollm2_digits_follow_its_tokenizer_json_not_transformers(
     assert smol.encode("x\n\n1").tokens == ["x", "ĊĊ", "1"]
 
 
+@pytest.mark.slow
 def test_smollm2_config_matches_transformers(smol_gguf: GGUFFile,
                                              smol_reference: AutoTokenizer) -> None:
     config = tokenizer_config(smol_gguf)
@@ -252,6 +255,7 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("messages", "gen"), CONVERSATIONS)
 def test_smollm2_chat_template_like_transformers(
         smol_chat: Tokenizer, smol_reference: AutoTokenizer,

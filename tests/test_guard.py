@@ -13,8 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from cluster.app import guard_settings
-from cluster.config import API_KEYS_ENV, ClusterConfig
+from cluster.config import API_KEYS_ENV, ClusterConfig, IngressConfig
 from cluster.errors import ApiError
 from cluster.guard import Guard, GuardSettings, key_digest, tenant_salt
 
@@ -50,7 +49,7 @@ async def client() -> AsyncIterator[tuple[httpx.AsyncClient, asyncio.Event]]:
     transport = httpx.ASGITransport(app=_app(release))
     async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
         yield c, release
-    Guard.configure(GuardSettings())
+    Guard.configure(GuardSettings.of(IngressConfig()))
 
 
 def _assert_envelope(r: httpx.Response, status: int) -> dict:
@@ -120,19 +119,20 @@ def test_tenant_salt_namespaces() -> None:
 def test_api_keys_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     redis = "redis://127.0.0.1:6399/0"
     monkeypatch.delenv(API_KEYS_ENV, raising=False)
-    assert ClusterConfig(redis_url=redis).api_keys == {}
+    assert ClusterConfig(redis_url=redis).ingress.api_keys == {}
     monkeypatch.setenv(API_KEYS_ENV, '{"sk-secret-1": "acme"}')
     cfg = ClusterConfig(redis_url=redis)
-    assert cfg.api_keys == {"sk-secret-1": "acme"}
+    assert cfg.ingress.api_keys == {"sk-secret-1": "acme"}
     assert "sk-secret-1" not in repr(cfg) and "sk-secret-1" not in str(cfg)
-    settings = guard_settings(cfg)
+    settings = GuardSettings.of(cfg.ingress)
     assert settings.key_tenants == {key_digest("sk-secret-1"): "acme"}
     assert "sk-secret-1" not in repr(settings)
     file = tmp_path / "keys.json"
     file.write_text(json.dumps({"sk-file": "beta"}))
     monkeypatch.setenv(API_KEYS_ENV, str(file))
-    assert ClusterConfig(redis_url=redis).api_keys == {"sk-file": "beta"}
-    assert ClusterConfig(redis_url=redis, api_keys=str(file)).api_keys == {"sk-file": "beta"}
+    assert ClusterConfig(redis_url=redis).ingress.api_keys == {"sk-file": "beta"}
+    from_flag = ClusterConfig(redis_url=redis, api_keys=str(file))
+    assert from_flag.ingress.api_keys == {"sk-file": "beta"}
     for bad in ('{"sk-leak": ""}', '{" sk-leak": "t"}', "{not json sk-leak"):
         with pytest.raises(ValidationError) as info:
             ClusterConfig(redis_url=redis, api_keys=bad)
@@ -143,4 +143,4 @@ def test_api_keys_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 
 def test_in_flight_cap_never_exceeds_serves_own_limit() -> None:
     cfg = ClusterConfig(policy="pow2", max_queued_requests=5000, ingress_max_ongoing_requests=64)
-    assert guard_settings(cfg).max_in_flight == 64
+    assert GuardSettings.of(cfg.ingress).max_in_flight == 64

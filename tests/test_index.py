@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import subprocess
 import time
 import uuid
+from importlib.resources import files
 
 import pytest
 import redis
@@ -16,13 +18,17 @@ from cluster.local_redis import LocalRedis, free_port
 from router.blocks import hash_chain, namespace
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from router.index import (
-    ApplyResult,
+    INDEX_STORES,
+    IndexSettings,
     IndexUnavailable,
-    PrefixIndex,
+    ResultCode,
     StaleEpoch,
     UnknownWorker,
-    key_tag,
+    expect,
+    open_index,
 )
+from router.redis_index import RedisPrefixIndex, key_tag
+from router.redis_scripts import SCRIPTS, source
 
 NS = namespace("test-model")
 
@@ -37,12 +43,13 @@ def model_name() -> str:
 
 @pytest.fixture
 async def index(redis_server: LocalRedis):
-    idx = PrefixIndex(redis_server.url, model_name(), deadline_s=1.0, lease_ttl_s=5.0)
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(lease_ttl_s=5.0))
     yield idx
     await idx.close()
 
 
-async def register(idx: PrefixIndex, rid: str, epoch: int = 1) -> int:
+async def register(idx: RedisPrefixIndex, rid: str, epoch: int = 1) -> int:
     return await idx.register(rid, epoch=epoch, block_size=4, fingerprint="fp", node="n0")
 
 
@@ -63,15 +70,16 @@ def block_entries(url: str, tag: str) -> dict[bytes, bytes]:
     return redis.Redis.from_url(url).hgetall("{" + tag + "}B")
 
 
-async def test_three_workers_exact_depths_and_early_stop(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_three_workers_exact_depths_and_early_stop(index: RedisPrefixIndex) -> None:
     shared = chain_of(1, 12)
     a, b, c = [await register(index, r) for r in ("A", "B", "C")]
     assert sorted((a, b, c)) == [1, 2, 3]
     other = chain_of(2, 6)
-    assert await index.apply(stored(a, 1, shared[:10])) is ApplyResult.APPLIED
-    assert await index.apply(stored(b, 1, shared[:4])) is ApplyResult.APPLIED
+    assert await index.apply(stored(a, 1, shared[:10])) is ResultCode.OK
+    assert await index.apply(stored(b, 1, shared[:4])) is ResultCode.OK
     # C holds blocks 0..1 and 3..5 of the chain: its consecutive depth is 2, not 5.
-    assert await index.apply(stored(c, 1, shared[:2] + shared[3:6] + other)) is ApplyResult.APPLIED
+    assert await index.apply(stored(c, 1, shared[:2] + shared[3:6] + other)) is ResultCode.OK
     assert await index.heartbeat(b, 1, WorkerLoad(num_running=7, queued_prefill_tokens=99))
 
     result = await index.lookup(shared)
@@ -89,19 +97,21 @@ async def test_three_workers_exact_depths_and_early_stop(index: PrefixIndex) -> 
     assert depths(await index.lookup([])) == {"A": (0, 0), "B": (0, 0), "C": (0, 0)}
 
 
-async def test_deep_walk_across_chunk_boundaries(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_deep_walk_across_chunk_boundaries(index: RedisPrefixIndex) -> None:
     ch = chain_of(22, 200)
     holds = {"A": 200, "B": 100, "C": 23, "D": 8, "E": 9, "F": 24}
     for rid, n in holds.items():
         wid = await register(index, rid)
-        assert await index.apply(stored(wid, 1, ch[:n])) is ApplyResult.APPLIED
+        assert await index.apply(stored(wid, 1, ch[:n])) is ResultCode.OK
     result = await index.lookup(ch)
     assert depths(result) == {rid: (n, n) for rid, n in holds.items()}
     assert result.blocks_walked == 200
     assert depths(await index.lookup(ch[:50])) == {r: (min(n, 50),) * 2 for r, n in holds.items()}
 
 
-async def test_lookup_always_returns_the_latest_loads(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_lookup_always_returns_the_latest_loads(index: RedisPrefixIndex) -> None:
     a = await register(index, "A")
     b = await register(index, "B")
     ch = chain_of(19, 2)
@@ -117,36 +127,38 @@ async def test_lookup_always_returns_the_latest_loads(index: PrefixIndex) -> Non
     assert (await index.lookup(ch)).matches["B"].load.kv_usage == 0.25
 
 
-async def test_removed_and_cleared_events(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_removed_and_cleared_events(index: RedisPrefixIndex) -> None:
     ch = chain_of(4, 8)
     a = await register(index, "A")
     b = await register(index, "B")
     await index.apply(stored(a, 1, ch))
     await index.apply(stored(b, 1, ch[:3]))
     removed = EventBatch(a, 1, 2, (BlockRemoved((ch[5],)),))
-    assert await index.apply(removed) is ApplyResult.APPLIED
+    assert await index.apply(removed) is ResultCode.OK
     assert depths(await index.lookup(ch)) == {"A": (5, 5), "B": (3, 3)}
     # Re-applying the same seq is a no-op (a retried batch must not count twice).
-    assert await index.apply(EventBatch(a, 1, 2, (BlockStored((ch[5],)),))) is ApplyResult.APPLIED
+    assert await index.apply(EventBatch(a, 1, 2, (BlockStored((ch[5],)),))) is ResultCode.OK
     assert depths(await index.lookup(ch))["A"] == (5, 5)
     cleared = EventBatch(a, 1, 3, (AllBlocksCleared(), BlockStored((ch[0],))))
-    assert await index.apply(cleared) is ApplyResult.APPLIED
+    assert await index.apply(cleared) is ResultCode.OK
     assert depths(await index.lookup(ch)) == {"A": (1, 1), "B": (3, 3)}
 
 
-async def test_register_is_idempotent_and_epoch_fences(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_register_is_idempotent_and_epoch_fences(index: RedisPrefixIndex) -> None:
     ch = chain_of(5, 4)
     a = await register(index, "A", epoch=10)
     assert await register(index, "A", epoch=10) == a
-    assert await index.apply(stored(a, 1, ch, epoch=10)) is ApplyResult.APPLIED
+    assert await index.apply(stored(a, 1, ch, epoch=10)) is ResultCode.OK
 
     # A new incarnation keeps its id but must resync before its batches count.
     assert await register(index, "A", epoch=11) == a
-    assert await index.apply(stored(a, 2, ch[:1], epoch=10)) is ApplyResult.STALE_EPOCH
-    assert await index.apply(stored(a, 1, ch[:1], epoch=11)) is ApplyResult.RESYNC_NEEDED
+    assert await index.apply(stored(a, 2, ch[:1], epoch=10)) is ResultCode.STALE_EPOCH
+    assert await index.apply(stored(a, 1, ch[:1], epoch=11)) is ResultCode.RESYNC_NEEDED
     await index.resync(a, 11, ch[:2], seq=0)
     assert depths(await index.lookup(ch)) == {"A": (2, 2)}
-    assert await index.apply(stored(a, 1, ch, epoch=11)) is ApplyResult.APPLIED
+    assert await index.apply(stored(a, 1, ch, epoch=11)) is ResultCode.OK
     assert depths(await index.lookup(ch)) == {"A": (4, 4)}
 
     with pytest.raises(StaleEpoch):
@@ -159,12 +171,15 @@ async def test_register_is_idempotent_and_epoch_fences(index: PrefixIndex) -> No
         await index.resync(99, 1, [], seq=0)
 
 
-async def test_sequence_gap_asks_for_resync_and_resync_replaces_the_set(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_sequence_gap_asks_for_resync_and_resync_replaces_the_set(
+    index: RedisPrefixIndex,
+) -> None:
     ch = chain_of(6, 10)
     a = await register(index, "A")
-    assert await index.apply(stored(a, 1, ch[:6])) is ApplyResult.APPLIED
-    assert await index.apply(stored(a, 3, ch[6:])) is ApplyResult.RESYNC_NEEDED  # seq 2 lost
-    assert await index.apply(stored(a, 4, ch[6:])) is ApplyResult.RESYNC_NEEDED
+    assert await index.apply(stored(a, 1, ch[:6])) is ResultCode.OK
+    assert await index.apply(stored(a, 3, ch[6:])) is ResultCode.RESYNC_NEEDED  # seq 2 lost
+    assert await index.apply(stored(a, 4, ch[6:])) is ResultCode.RESYNC_NEEDED
     assert depths(await index.lookup(ch)) == {"A": (6, 6)}  # the gapped batch was not applied
 
     # The worker's truth: blocks 0..2 plus an unrelated chain (blocks 3..5 were evicted).
@@ -172,12 +187,13 @@ async def test_sequence_gap_asks_for_resync_and_resync_replaces_the_set(index: P
     await index.resync(a, 1, ch[:3] + unrelated, seq=4)
     assert depths(await index.lookup(ch)) == {"A": (3, 3)}
     assert depths(await index.lookup(unrelated)) == {"A": (3, 3)}
-    assert await index.apply(stored(a, 5, ch[3:5])) is ApplyResult.APPLIED
+    assert await index.apply(stored(a, 5, ch[3:5])) is ResultCode.OK
     assert depths(await index.lookup(ch)) == {"A": (5, 5)}
 
 
+@pytest.mark.cluster
 async def test_large_resync_is_chunked_and_exact(
-    index: PrefixIndex, redis_server: LocalRedis
+    index: RedisPrefixIndex, redis_server: LocalRedis
 ) -> None:
     a = await register(index, "A")
     first = chain_of(8, 9000)
@@ -192,8 +208,9 @@ async def test_large_resync_is_chunked_and_exact(
     assert block_entries(redis_server.url, index.tag) == {}
 
 
+@pytest.mark.cluster
 async def test_reverse_index_stays_bounded_under_churn(
-    index: PrefixIndex, redis_server: LocalRedis
+    index: RedisPrefixIndex, redis_server: LocalRedis
 ) -> None:
     a = await register(index, "A")
     raw = redis.Redis.from_url(redis_server.url)
@@ -214,8 +231,10 @@ async def test_reverse_index_stays_bounded_under_churn(
     assert block_entries(redis_server.url, index.tag) == {}
 
 
+@pytest.mark.cluster
 async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: LocalRedis) -> None:
-    idx = PrefixIndex(redis_server.url, model_name(), deadline_s=1.0, lease_ttl_s=0.3)
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(lease_ttl_s=0.3))
     try:
         ch = chain_of(10, 6)
         a = await register(idx, "A")
@@ -243,7 +262,7 @@ async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: L
         # B comes back: it gets a fresh registration (its old id is free again) and no
         # stale entries, and its old batches are no longer accepted.
         assert not await idx.heartbeat(b, 1, WorkerLoad())
-        assert await idx.apply(stored(b, 2, ch)) is ApplyResult.RESYNC_NEEDED
+        assert await idx.apply(stored(b, 2, ch)) is ResultCode.RESYNC_NEEDED
         b2 = await register(idx, "B")
         assert b2 == b
         assert depths(await idx.lookup(ch)) == {"A": (6, 6), "B": (0, 0)}
@@ -251,8 +270,9 @@ async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: L
         await idx.close()
 
 
+@pytest.mark.cluster
 async def test_deregister_removes_entries_at_once(
-    index: PrefixIndex, redis_server: LocalRedis
+    index: RedisPrefixIndex, redis_server: LocalRedis
 ) -> None:
     ch = chain_of(12, 5)
     a = await register(index, "A")
@@ -268,8 +288,10 @@ async def test_deregister_removes_entries_at_once(
     assert not redis.Redis.from_url(redis_server.url).exists(f"{p}w:{a}", f"{p}r:{b}")
 
 
+@pytest.mark.cluster
 async def test_predicted_entries_count_and_expire(redis_server: LocalRedis) -> None:
-    idx = PrefixIndex(redis_server.url, model_name(), deadline_s=1.0, predict_ttl_s=0.3)
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(predict_ttl_s=0.3))
     try:
         ch = chain_of(13, 8)
         a = await register(idx, "A")
@@ -291,11 +313,12 @@ async def test_predicted_entries_count_and_expire(redis_server: LocalRedis) -> N
         await idx.close()
 
 
+@pytest.mark.cluster
 async def test_long_model_names_get_a_short_tag(redis_server: LocalRedis) -> None:
     name = "meta-llama/Llama-3.1-8B-Instruct-" + uuid.uuid4().hex[:6]
     assert key_tag(name).startswith("m") and len(key_tag(name)) == 8
     assert key_tag("qwen-7b") == "qwen-7b"
-    idx = PrefixIndex(redis_server.url, name, deadline_s=1.0)
+    idx = RedisPrefixIndex(redis_server.url, name, deadline_s=1.0)
     try:
         a = await register(idx, "A")
         await idx.apply(stored(a, 1, chain_of(14, 2)))
@@ -305,7 +328,8 @@ async def test_long_model_names_get_a_short_tag(redis_server: LocalRedis) -> Non
         await idx.close()
 
 
-async def test_bad_digests_are_rejected(index: PrefixIndex) -> None:
+@pytest.mark.cluster
+async def test_bad_digests_are_rejected(index: RedisPrefixIndex) -> None:
     ok = chain_of(20, 2)
     for bad in ([b"short"], [ok[0][:15], ok[1] + b"x"], [ok[0], b""]):
         with pytest.raises(ValueError):
@@ -315,16 +339,18 @@ async def test_bad_digests_are_rejected(index: PrefixIndex) -> None:
         await index.apply(stored(a, 1, [ok[0][:15], ok[1] + b"x"]))
 
 
+@pytest.mark.cluster
 async def test_auth_via_url() -> None:
     with LocalRedis(password="s3cret-pw") as server:
-        idx = PrefixIndex(server.url, model_name(), deadline_s=1.0)
+        idx = RedisPrefixIndex(server.url, model_name(), deadline_s=1.0)
         try:
             a = await register(idx, "A")
             await idx.apply(stored(a, 1, chain_of(15, 3)))
             assert depths(await idx.lookup(chain_of(15, 3))) == {"A": (3, 3)}
         finally:
             await idx.close()
-        bad = PrefixIndex(f"redis://:wrong@127.0.0.1:{server.port}/0", model_name())
+        bad = RedisPrefixIndex(f"redis://:wrong@127.0.0.1:{server.port}/0", model_name(),
+                               deadline_s=1.0)
         try:
             with pytest.raises(IndexUnavailable):
                 await bad.lookup(chain_of(15, 3))
@@ -332,8 +358,9 @@ async def test_auth_via_url() -> None:
             await bad.close()
 
 
+@pytest.mark.cluster
 async def test_redis_down_raises_fast_then_recovers(redis_server: LocalRedis) -> None:
-    idx = PrefixIndex(redis_server.url, model_name(), deadline_s=0.05)
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=0.05)
     try:
         ch = chain_of(16, 4)
         a = await register(idx, "A")
@@ -359,13 +386,14 @@ async def test_redis_down_raises_fast_then_recovers(redis_server: LocalRedis) ->
         await idx.close()
 
 
+@pytest.mark.cluster
 async def test_blackholed_redis_raises_within_deadline() -> None:
     # A server that accepts connections but never answers (SIGSTOP'd redis-server).
     import os
     import signal
 
     with LocalRedis() as server:
-        idx = PrefixIndex(server.url, model_name(), deadline_s=0.05)
+        idx = RedisPrefixIndex(server.url, model_name(), deadline_s=0.05)
         try:
             await register(idx, "A")
             os.kill(server._proc.pid, signal.SIGSTOP)
@@ -382,15 +410,16 @@ async def test_blackholed_redis_raises_within_deadline() -> None:
             await idx.close()
 
 
+@pytest.mark.cluster
 async def test_tls_via_rediss_url(tls_redis: TlsRedis) -> None:
-    idx = PrefixIndex(tls_redis.url, model_name(), deadline_s=2.0)
+    idx = RedisPrefixIndex(tls_redis.url, model_name(), deadline_s=2.0)
     try:
         a = await register(idx, "A")
         await idx.apply(stored(a, 1, chain_of(18, 3)))
         assert depths(await idx.lookup(chain_of(18, 3))) == {"A": (3, 3)}
     finally:
         await idx.close()
-    plain = PrefixIndex(tls_redis.plaintext_url, model_name())
+    plain = RedisPrefixIndex(tls_redis.plaintext_url, model_name(), deadline_s=1.0)
     try:
         with pytest.raises(IndexUnavailable):  # a TLS port refuses plaintext clients
             await plain.lookup(chain_of(18, 3))
@@ -398,6 +427,7 @@ async def test_tls_via_rediss_url(tls_redis: TlsRedis) -> None:
         await plain.close()
 
 
+@pytest.mark.cluster
 @pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli to form a cluster")
 async def test_redis_cluster_via_url() -> None:
     # an explicit bus port: the default (port + 10000) may be taken or past 65535
@@ -416,12 +446,12 @@ async def test_redis_cluster_via_url() -> None:
             assert time.monotonic() < deadline, "cluster did not converge"
             await asyncio.sleep(0.1)
 
-        idx = PrefixIndex(nodes[0].url + "?cluster=true", model_name(), deadline_s=2.0)
+        idx = RedisPrefixIndex(nodes[0].url + "?cluster=true", model_name(), deadline_s=2.0)
         try:
             ch = chain_of(21, 6)
             a = await register(idx, "A")
             b = await register(idx, "B")
-            assert await idx.apply(stored(a, 1, ch)) is ApplyResult.APPLIED
+            assert await idx.apply(stored(a, 1, ch)) is ResultCode.OK
             await idx.resync(b, 1, ch[:2], seq=0)
             await idx.predict(ch, b, from_block=2)
             assert depths(await idx.lookup(ch)) == {"A": (6, 6), "B": (2, 6)}
@@ -435,3 +465,50 @@ async def test_redis_cluster_via_url() -> None:
     finally:
         for node in nodes:
             node.close()
+
+
+class RecordingStore:
+    """A stand-in store: what open_index passes to a store's constructor."""
+
+    def __init__(self, url: str, model: str, **options: float) -> None:
+        self.url, self.model, self.options = url, model, options
+
+
+def test_open_index_picks_the_store_by_scheme(monkeypatch: pytest.MonkeyPatch) -> None:
+    for url in ("redis://127.0.0.1:1/0", "rediss://h:1/0", "unix:///tmp/redis.sock"):
+        assert type(open_index(url, "m", deadline_s=1.0)) is RedisPrefixIndex
+    monkeypatch.setitem(INDEX_STORES, "mem", f"{__name__}:RecordingStore")
+    settings = IndexSettings(lease_ttl_s=3.0)
+    store = open_index("mem://", "m", deadline_s=0.5, settings=settings)
+    assert isinstance(store, RecordingStore) and (store.url, store.model) == ("mem://", "m")
+    assert store.options == {"deadline_s": 0.5, "settings": settings}
+    with pytest.raises(ValueError, match="no prefix index store serves etcd"):
+        open_index("etcd://host", "m", deadline_s=1.0)
+
+
+def test_lua_result_codes_match_the_enum() -> None:
+    codes = (files("router") / "lua" / "_codes.lua").read_text()
+    names, values = re.search(r"local ([A-Z_, ]+) = ([0-9, ]+)", codes).groups()
+    lua = dict(zip(names.split(", "), map(int, values.split(", ")), strict=True))
+    assert lua == {code.name: code.value for code in ResultCode}
+
+
+def test_expect_decodes_every_code_in_one_place() -> None:
+    assert expect(0, "op") is ResultCode.OK
+    assert expect(2, "op", ResultCode.OK, ResultCode.RESYNC_NEEDED) is ResultCode.RESYNC_NEEDED
+    for raw, error in ((1, StaleEpoch), (3, UnknownWorker), (4, ValueError), (5, RuntimeError),
+                       (2, RuntimeError), (99, RuntimeError)):
+        with pytest.raises(error, match=r"^op: "):
+            expect(raw, "op")
+
+
+def test_scripts_are_assembled_from_shared_fragments() -> None:
+    for name in SCRIPTS:
+        text = source(name)
+        assert "--#include" not in text
+        assert text.count("local OK, STALE_EPOCH") <= 1  # a fragment at most once
+    assert "local function epoch_state" in source("resync_chunk")
+    assert "local function add_blocks" in source("resync_chunk")
+    assert "redis.call('TIME')" in source("lookup")
+    with pytest.raises(ValueError):
+        source("../index")

@@ -155,19 +155,19 @@ def test_exact_event_stream() -> None:
     kv = KVCacheManager(4, BS)
     a = chain(list(range(9)))
     admit(kv, "a", list(range(9)))  # blocks 0,1 hashed, 2 partial
-    assert kv.take_events() == [BlockStored((a[0], a[1]), None)]
+    assert kv.take_events() == [BlockStored((a[0], a[1]))]
     assert kv.take_events() == []
     # decode fills block 2 → registered with its parent
     hasher = BlockHasher(BS, NS)
     hasher.append(list(range(12)))
     assert kv.allocate_slots("a", 11, 1, hasher.hashes)
-    assert kv.take_events() == [BlockStored((hasher.hashes[2],), a[1])]
+    assert kv.take_events() == [BlockStored((hasher.hashes[2],))]
     kv.free("a")
     b = chain(list(range(50, 62)))
     admit(kv, "b", list(range(50, 62)))  # needs 3: free 3, then evicts a's tail 2, 1
     assert kv.take_events() == [
         BlockRemoved((hasher.hashes[2], a[1])),
-        BlockStored(tuple(b), None),
+        BlockStored(tuple(b)),
     ]
     kv.reset_prefix_cache()
     assert kv.take_events() == [AllBlocksCleared()]
@@ -180,10 +180,10 @@ def test_duplicate_hash_keeps_first_block() -> None:
     pool = BlockPool(4)
     b0, b1 = pool.allocate(2)
     h = chain([1, 2, 3, 4])
-    pool.cache([b0], h, None)
-    pool.cache([b1], h, None)
+    pool.cache([b0], h)
+    pool.cache([b1], h)
     assert pool.cached[h[0]] is b0 and b1.block_hash is None
-    assert pool.take_events() == [BlockStored((h[0],), None)]
+    assert pool.take_events() == [BlockStored((h[0],))]
     pool.release([b1, b0])
     assert next(iter(pool.free)).block_id == 1  # the unhashed duplicate is reused first
 

@@ -14,8 +14,10 @@ import redis
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import BlockRemoved, BlockStored, KVEvent, WorkerLoad
-from router.index import PrefixIndex
+from router.index import IndexSettings, open_index
 from router.publisher import EventPublisher
+
+pytestmark = pytest.mark.cluster
 
 NS = namespace("pub-model")
 
@@ -60,7 +62,8 @@ def depth(result, rid: str) -> int | None:
 
 
 async def make(url: str, model: str, rid: str, engine_holder: list, **kw) -> EventPublisher:
-    index = PrefixIndex(url, model, deadline_s=1.0, lease_ttl_s=kw.pop("lease_ttl_s", 5.0))
+    index = open_index(url, model, deadline_s=1.0,
+                       settings=IndexSettings(lease_ttl_s=kw.pop("lease_ttl_s", 5.0)))
     pub = EventPublisher(index, replica_id=rid, epoch=kw.pop("epoch", 1), block_size=4,
                          fingerprint="fp", snapshot=kw.pop("snapshot", None)
                          or (lambda: engine_holder[0].snapshot()), **kw)
@@ -81,7 +84,7 @@ async def test_events_from_the_engine_thread_reach_the_index(
                      load=lambda: WorkerLoad(num_running=3, kv_usage=0.5),
                      heartbeat_interval_s=0.05)
     engine = holder[0]
-    reader = PrefixIndex(redis_server.url, model, deadline_s=1.0)
+    reader = open_index(redis_server.url, model, deadline_s=1.0)
     pub.start()
     try:
         assert await pub.wait_synced(5)
@@ -103,7 +106,7 @@ async def test_events_from_the_engine_thread_reach_the_index(
 
 
 async def _lookup(url: str, model: str, chain):
-    idx = PrefixIndex(url, model, deadline_s=1.0)
+    idx = open_index(url, model, deadline_s=1.0)
     try:
         return await idx.lookup(chain)
     finally:

@@ -12,8 +12,11 @@ import torch
 import transformers
 
 from workers.checkpoints import DEFAULT_MODEL, packaged_gguf, resolve_checkpoint
-from workers.engine import EngineConfig, LLMEngine
+from workers.engine import LLMEngine
+from workers.engine_types import EngineConfig
 from workers.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # loads the 135M model twice (ours and transformers)
 
 SYSTEM = ("You are a concise geography tutor. Answer in one short sentence, name the place "
           "exactly, and do not add any greeting, apology or follow-up question. The student "

@@ -15,6 +15,8 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis
 from workers.checkpoints import DEFAULT_MODEL
 
+pytestmark = pytest.mark.cluster
+
 APP = "real-model"
 SYSTEM = ("You are a helpful geography assistant for a travel company. Answer every question in "
           "one short sentence, name the place exactly, and never add greetings or follow-up "

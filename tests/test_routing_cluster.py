@@ -18,22 +18,26 @@ import ray
 from ray import serve
 from servekit import wait_for
 
+from cluster.app import request_router_config
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex
+from router.index import IndexSettings, open_index
 from router.policy import rendezvous
-from router.request import GenerateRequest
+from router.request import GenerateRequest, TokenDelta
 from router.request_router import NoSuchReplica
+from router.router_state import RouterSettings
 from workers.builtin import ensure_builtin_model
-from workers.deployment import TokenDelta, worker_deployment
+from workers.deployment import worker_deployment
 
 MODEL = "tiny"
 BLOCK = 16
 PREFIX_BLOCKS = 8
 ENGINE = {"block_size": BLOCK, "num_blocks": 160, "max_num_seqs": 16}
 GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+MAX_ONGOING = 256
 _ids = iter(range(10**9))
-pytestmark = pytest.mark.timeout(300)  # a routing bug shows up as a request that never returns
+# a routing bug shows up as a request that never returns
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -42,22 +46,18 @@ def handle(redis_server: LocalRedis):
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(proxy_location="Disabled")
+        router = RouterSettings(model=MODEL, block_size=BLOCK, lookup_deadline_s=0.1,
+                                failopen_backoff_s=0.5, check_interval_s=5.0, target_wait_s=2.0)
         deployment = worker_deployment(
             num_replicas=2,
             num_cpus=0.5,
-            routing_stats_period_s=1.0,
-            router_kwargs={
-                "redis_url": redis_server.url,
-                "model": MODEL,
-                "block_size": BLOCK,
-                "lookup_deadline_s": 0.1,
-                "predict_ttl_s": 1.0,
-                "failopen_backoff_s": 0.5,
-                "check_interval_s": 5.0,
-                "target_wait_s": 2.0,
-            },
+            num_gpus=0,
+            max_ongoing_requests=MAX_ONGOING,
+            request_router_config=request_router_config(
+                "prefix", redis_server.url, router, IndexSettings(predict_ttl_s=1.0),
+                stats_period_s=1.0),
         )
-        app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL,
+        app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1,
                               heartbeat_interval_s=0.2)
         yield serve.run(app, name="routing", route_prefix=None)
     finally:
@@ -75,7 +75,7 @@ def suffix() -> list[int]:
 
 
 def request(tokens: list[int], **sampling) -> GenerateRequest:
-    return GenerateRequest(f"req-{next(_ids)}", tokens, {**GREEDY, **sampling}, model=MODEL)
+    return GenerateRequest(f"req-{next(_ids)}", tokens, {**GREEDY, **sampling})
 
 
 def run(handle, tokens: list[int]) -> list[TokenDelta]:
@@ -89,7 +89,7 @@ def stats(handle, worker: str) -> dict:
 
 
 async def confirmed_depth(url: str, chain: list[bytes], worker: str) -> int:
-    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    index = open_index(url, MODEL, deadline_s=1.0)
     try:
         match = (await index.lookup(chain)).matches.get(worker)
         return match.confirmed_depth if match else -1
@@ -98,7 +98,7 @@ async def confirmed_depth(url: str, chain: list[bytes], worker: str) -> int:
 
 
 async def live_replicas(url: str) -> list[str]:
-    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    index = open_index(url, MODEL, deadline_s=1.0)
     try:
         return sorted(w.replica_id for w in await index.live_workers())
     finally:
@@ -266,14 +266,18 @@ def test_a_call_for_a_replica_that_is_not_running_fails_instead_of_waiting_forev
 
 def test_a_router_with_the_wrong_fingerprint_refuses_prefix_routing(handle, redis_server) -> None:
     model_path = str(ensure_builtin_model())
+    router = RouterSettings(model=MODEL, block_size=BLOCK, fingerprint="not-this-model",
+                            lookup_deadline_s=0.1)
     wrong = worker_deployment(
         name="MismatchedWorker",
         num_replicas=1,
         num_cpus=0.5,
-        router_kwargs={"redis_url": redis_server.url, "model": MODEL, "block_size": BLOCK,
-                       "fingerprint": "not-this-model", "lookup_deadline_s": 0.1},
+        num_gpus=0,
+        max_ongoing_requests=MAX_ONGOING,
+        request_router_config=request_router_config("prefix", redis_server.url, router,
+                                                    IndexSettings()),
     )
-    other = serve.run(wrong.bind(model_path, ENGINE, redis_server.url, MODEL),
+    other = serve.run(wrong.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1),
                       name="mismatch", route_prefix=None)
     try:
         p = prefix(5)
@@ -290,7 +294,7 @@ def test_a_router_with_the_wrong_fingerprint_refuses_prefix_routing(handle, redi
 
 
 async def predicted_depths(url: str, chain: list[bytes]) -> dict[str, int]:
-    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    index = open_index(url, MODEL, deadline_s=1.0)
     try:
         matches = (await index.lookup(chain)).matches
         return {k: m.predicted_depth for k, m in matches.items() if m.predicted_depth}

@@ -12,16 +12,18 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
+from cluster.app import request_router_config
 from cluster.local_redis import LocalRedis
-from router.index import PrefixIndex
-from router.request import GenerateRequest
+from router.index import IndexSettings, open_index
+from router.request import GenerateRequest, TokenDelta
+from router.router_state import RouterSettings
 from workers.builtin import ensure_builtin_model
-from workers.deployment import TokenDelta, worker_deployment
+from workers.deployment import worker_deployment
 
 MODEL = "tiny"
 BLOCK = 16
 GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +38,17 @@ def handle(redis_server: LocalRedis):
         deployment = worker_deployment(
             num_replicas=2,
             num_cpus=0.5,
+            num_gpus=0,
+            max_ongoing_requests=16,
             ray_actor_options={"resources": {"llm_slot": 1}},  # one replica per worker node
-            router_kwargs={"redis_url": redis_server.url, "model": MODEL, "block_size": BLOCK,
-                           "lookup_deadline_s": 0.1},
+            request_router_config=request_router_config(
+                "prefix", redis_server.url,
+                RouterSettings(model=MODEL, block_size=BLOCK, lookup_deadline_s=0.1),
+                IndexSettings()),
         )
         app = deployment.bind(model_path, {"block_size": BLOCK, "num_blocks": 128},
-                              redis_server.url, MODEL, heartbeat_interval_s=0.2)
+                              redis_server.url, MODEL, stream_interval=1,
+                              heartbeat_interval_s=0.2)
         yield serve.run(app, name="multinode", route_prefix=None)
     finally:
         serve.shutdown()
@@ -50,7 +57,7 @@ def handle(redis_server: LocalRedis):
 
 
 def run(handle, tokens: list[int], tag: int) -> list[TokenDelta]:
-    request = GenerateRequest(f"mn-{tag}", tokens, GREEDY, model=MODEL)
+    request = GenerateRequest(f"mn-{tag}", tokens, GREEDY)
     deltas = list(handle.options(stream=True).generate.remote(request))
     assert deltas[-1].finished
     return deltas
@@ -62,7 +69,7 @@ def prefix(seed: int) -> list[int]:
 
 
 async def live_nodes(url: str) -> dict[str, str]:
-    index = PrefixIndex(url, MODEL, deadline_s=1.0)
+    index = open_index(url, MODEL, deadline_s=1.0)
     try:
         return {w.replica_id: w.node for w in await index.live_workers()}
     finally:

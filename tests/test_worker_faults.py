@@ -8,15 +8,17 @@ from test_worker_replica import GREEDY, PROMPT, collect, make_worker, wait_idle
 
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex
+from router.index import open_index
 from router.request import GenerateRequest
+
+pytestmark = pytest.mark.cluster
 
 
 async def test_a_failed_step_fails_its_request_and_unpublishes_its_blocks(
     redis_server: LocalRedis,
 ) -> None:
     w = await make_worker(redis_url=redis_server.url)
-    index = PrefixIndex(redis_server.url, "tiny", deadline_s=1.0)
+    index = open_index(redis_server.url, "tiny", deadline_s=1.0)
     try:
         engine = w._loop_thread.engine
         real = engine.runner.execute

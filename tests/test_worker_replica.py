@@ -9,22 +9,23 @@ import pytest
 
 from cluster.local_redis import LocalRedis, free_port
 from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex
-from router.request import GenerateRequest
+from router.index import open_index
+from router.request import GenerateRequest, TokenDelta, TokenLogprob
 from workers.builtin import ensure_builtin_model
-from workers.deployment import LLMWorker, TokenDelta, merge_steps
-from workers.engine import RequestOutput
+from workers.deployment import LLMWorker
+from workers.engine_loop import merge_steps
+from workers.engine_types import RequestOutput
 from workers.errors import InvalidRequestError
-from workers.sampling import TokenLogprob
 
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8}
 PROMPT = [(i * 7) % 250 for i in range(40)]
 GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 
 
-async def make_worker(**kwargs) -> LLMWorker:
+async def make_worker(redis_url: str | None = None, **kwargs) -> LLMWorker:
     worker = LLMWorker.__new__(LLMWorker)
-    await worker.__init__(str(ensure_builtin_model()), ENGINE, model_name="tiny", **kwargs)
+    await worker.__init__(str(ensure_builtin_model()), ENGINE, redis_url, "tiny",
+                          **{"stream_interval": 1, **kwargs})
     return worker
 
 
@@ -116,9 +117,10 @@ async def test_routing_stats_describe_the_worker(worker: LLMWorker) -> None:
     assert stats["worker"] == worker.replica_id
 
 
+@pytest.mark.cluster
 async def test_publishes_blocks_and_deregisters(redis_server: LocalRedis) -> None:
     w = await make_worker(redis_url=redis_server.url, heartbeat_interval_s=0.2)
-    index = PrefixIndex(redis_server.url, "tiny", deadline_s=1.0)
+    index = open_index(redis_server.url, "tiny", deadline_s=1.0)
     try:
         await collect(w, GenerateRequest("p", PROMPT, GREEDY))
         assert await w._publisher.wait_synced(5.0)

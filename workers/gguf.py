@@ -8,7 +8,8 @@ so one loader fills the model from safetensors and GGUF alike.
 Two layout facts (llama.cpp's `convert_hf_to_gguf.py`):
 * For the `llama` architecture the Q and K projection rows of every head are permuted from HF's
   rotate-half order to adjacent pairs; `iter_tensors` undoes that, so the tensors it yields are
-  exactly the Hugging Face checkpoint's. `qwen2` files are not permuted.
+  exactly the Hugging Face checkpoint's. `qwen2` files are not permuted (the registry's
+  `gguf_qk_permuted` says which are).
 * GGUF lists dimensions innermost first; `gguf.quants.dequantize` returns numpy's order
   (outermost first), which is torch's too.
 """
@@ -26,15 +27,14 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
 from workers.errors import UnsupportedModelError
-from workers.model_config import ModelConfig
+from workers.models.config import ModelConfig
+from workers.models.registry import gguf_architecture
 
 # The quantizations served (dequantized at load into the engine's dtype).
 SUPPORTED_TYPES = frozenset(
     GGMLQuantizationType[n]
     for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 )
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -92,11 +92,10 @@ class GGUFFile:
         except Exception as exc:  # truncated or not a GGUF: numpy / struct / value errors
             raise GGUFError(f"{self.path}: not a readable GGUF file ({exc})") from None
         self.arch = self.get("general.architecture")
-        if self.arch not in ARCHITECTURES:
-            raise GGUFError(
-                f"{self.path}: unsupported architecture {self.arch!r}; "
-                f"supported: {', '.join(ARCHITECTURES)}"
-            )
+        try:
+            self.architecture = gguf_architecture(self.arch)
+        except UnsupportedModelError as exc:
+            raise GGUFError(f"{self.path}: {exc}") from None
         for t in self.reader.tensors:
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise GGUFError(
@@ -132,7 +131,7 @@ class GGUFFile:
             kv_heads = int(self._arch("attention.head_count_kv", heads))
             vocab = self._arch("vocab_size") or len(self.get("tokenizer.ggml.tokens", []))
             config = ModelConfig(
-                architecture=ARCHITECTURES[self.arch],
+                architecture=self.architecture.name,
                 vocab_size=int(vocab),
                 hidden_size=hidden,
                 intermediate_size=int(self._arch("feed_forward_length")),
@@ -183,6 +182,7 @@ class GGUFFile:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every weight as (HF name, float32 tensor in HF layout), one at a time."""
         c = self.config
+        permuted = self.architecture.gguf_qk_permuted
         for t in self.reader.tensors:
             name = hf_name(t.name)
             if name is None:
@@ -196,7 +196,7 @@ class GGUFFile:
             # F32 tensors come back as read-only views of the mapped file: copy those.
             array = np.require(array, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
             tensor = torch.from_numpy(array)
-            if self.arch == "llama" and t.name.endswith(("attn_q.weight", "attn_k.weight")):
+            if permuted and t.name.endswith(("attn_q.weight", "attn_k.weight")):
                 heads = c.num_attention_heads if "attn_q" in t.name else c.num_key_value_heads
                 tensor = unpermute_rope_rows(tensor, heads)
             yield name, tensor

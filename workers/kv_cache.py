@@ -1,6 +1,6 @@
 """Paged KV cache bookkeeping: the block pool, the prefix cache and per-sequence block tables.
 
-The KV tensor itself is one preallocated pool (``workers.model.allocate_kv_cache``); this module
+The KV tensor itself is one preallocated pool (``workers.kv_tensor.allocate_kv_cache``); this module
 only decides which block of it each sequence uses. Modelled on vLLM v1's ``block_pool`` and
 ``kv_cache_manager``.
 
@@ -109,9 +109,6 @@ class BlockPool:
     def num_free(self) -> int:
         return self.free.num_free
 
-    def get_cached(self, block_hash: bytes) -> Block | None:
-        return self.cached.get(block_hash)
-
     def allocate(self, n: int) -> list[Block]:
         """Pop ``n`` free blocks (ref 1 each), evicting the hashes of reused cached blocks."""
         if n > self.free.num_free:
@@ -148,27 +145,25 @@ class BlockPool:
                 else:
                     self.free.push_back(block)
 
-    def cache(self, blocks: Sequence[Block], hashes: Sequence[bytes], parent: bytes | None) -> None:
+    def cache(self, blocks: Sequence[Block], hashes: Sequence[bytes]) -> None:
         """Register full blocks under their chain hashes; emit ``BlockStored`` per run.
 
         A hash already held by another block is left to that block (one block per hash); the
         duplicate stays unhashed and is reused first once freed.
         """
         run: list[bytes] = []
-        run_parent = parent
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block_hash in self.cached or block.block_hash is not None:
                 if run:
-                    self.events.append(BlockStored(tuple(run), run_parent))
+                    self.events.append(BlockStored(tuple(run)))
                     run = []
-                run_parent = block_hash
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
             self.uncommitted.append(block)
             run.append(block_hash)
         if run:
-            self.events.append(BlockStored(tuple(run), run_parent))
+            self.events.append(BlockStored(tuple(run)))
 
     def commit(self) -> None:
         """The step's forward pass wrote the KV of every block hashed since the last commit."""
@@ -321,8 +316,7 @@ class KVCacheManager:
         start = self._num_cached[seq_id]
         end = min(num_tokens_after // self.block_size, len(hashes), len(table))
         if end > start:
-            parent = hashes[start - 1] if start > 0 else None
-            self.pool.cache(table[start:end], hashes[start:end], parent)
+            self.pool.cache(table[start:end], hashes[start:end])
             self._num_cached[seq_id] = end
 
     def fork(self, parent_id: str, child_id: str) -> None:

@@ -2,21 +2,26 @@
 
 All per-step host work is O(scheduled sequences + their blocks); token ids and positions of a
 prefill chunk are copied by slicing, and the slot mapping for every row is one vectorised numpy
-expression over the block tables.
+expression over the block tables. `keep_cpu_heap` keeps those passes off the page-fault path on
+CPU.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+
 import numpy as np
 import torch
 
-from workers.attention import AttentionMetadata
+from workers.attention.metadata import AttentionMetadata
 from workers.kv_cache import KVCacheManager
+from workers.models.base import CausalLM
 from workers.scheduler import SchedulerOutput, Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, kv: KVCacheManager) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, kv: KVCacheManager) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.kv = kv
@@ -77,3 +82,22 @@ class ModelRunner:
         ids, positions, meta, sampled = self.prepare(sched)
         logits = self.model(ids, positions, meta, self.kv_cache)
         return (logits if sampled else None), sampled
+
+
+def keep_cpu_heap() -> None:
+    """Stop glibc from handing freed activations back to the OS after every op (CPU only).
+
+    By default each tensor over 128 KiB is a fresh mmap, so every layer of every step page-faults
+    its outputs in again; on this kind of VM that made prefill 4-5x slower than the matmuls
+    allow. Raising the mmap and trim thresholds keeps freed blocks in the heap for reuse (what
+    vLLM's CPU backend gets by preloading tcmalloc). Process-wide, harmless elsewhere.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD (capped by glibc at 32 MiB)
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc
+        return

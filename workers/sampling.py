@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from router.request import TokenLogprob
 from workers.errors import InvalidRequestError
 
 MAX_N = 16
@@ -74,13 +75,6 @@ class SamplingParams:
         stops = self.stop_token_ids
         if not isinstance(stops, tuple) or not all(is_int(s) and s >= 0 for s in stops):
             fail("stop_token_ids", "must be non-negative integers")
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]  # the `logprobs` most likely (token_id, logprob), best first
 
 
 def make_generator(

@@ -1,8 +1,9 @@
 """The model's shape and conventions (`ModelConfig`), read from a Hugging Face config.json.
 
 Reads both the transformers 4 layout (`rope_theta` / `rope_scaling` at the top level) and the
-transformers 5 one (`rope_parameters` holding `rope_theta` and the scaling type). Pure JSON: the
-ingress reads a checkpoint's config through here without importing torch.
+transformers 5 one (`rope_parameters` holding `rope_theta` and the scaling type); what differs
+per architecture (Qwen2's q/k/v biases, its sliding-window flag) comes from the registry. Pure
+JSON: the ingress reads a checkpoint's config through here without importing torch.
 """
 
 from __future__ import annotations
@@ -12,15 +13,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from workers.errors import UnsupportedModelError
+from workers.models.registry import get_architecture, hf_architecture
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # freq_factors: per-frequency divisors, as GGUF files store llama3-style scaling.
 SUPPORTED_ROPE = ("default", "llama3", "linear", "freq_factors")
-_MODEL_TYPES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-}
 
 
 @dataclass
@@ -62,15 +58,7 @@ def _ids(value) -> tuple[int, ...]:
 
 def parse_config(raw: dict, generation: dict | None = None) -> ModelConfig:
     """ModelConfig from a config.json dict (and optionally generation_config.json)."""
-    archs = raw.get("architectures") or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if not archs:  # some hand-written configs name only the model_type
-        arch = _MODEL_TYPES.get(raw.get("model_type", ""))
-    if arch is None:
-        raise UnsupportedModelError(
-            f"unsupported architecture {archs or raw.get('model_type')!r}; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = hf_architecture(raw)
     if raw.get("mlp_bias"):
         raise UnsupportedModelError("mlp_bias is not supported")
     if raw.get("hidden_act", "silu") != "silu":
@@ -89,14 +77,14 @@ def parse_config(raw: dict, generation: dict | None = None) -> ModelConfig:
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         raise UnsupportedModelError("partial_rotary_factor is not supported")
     sliding = raw.get("sliding_window")
-    if arch == "Qwen2ForCausalLM" and not raw.get("use_sliding_window", False):
+    if arch.sliding_window_flag and not raw.get(arch.sliding_window_flag, False):
         sliding = None
     eos = _ids(raw.get("eos_token_id"))
     for t in _ids((generation or {}).get("eos_token_id")):
         if t not in eos:
             eos += (t,)
     return ModelConfig(
-        architecture=arch,
+        architecture=arch.name,
         vocab_size=raw["vocab_size"],
         hidden_size=raw["hidden_size"],
         intermediate_size=raw["intermediate_size"],
@@ -108,7 +96,7 @@ def parse_config(raw: dict, generation: dict | None = None) -> ModelConfig:
         rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=float(theta),
         rope_scaling={**rope, "rope_type": rope_type} if rope_type != "default" else None,
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(raw.get("attention_bias", False)),
+        attention_bias=arch.qkv_bias or bool(raw.get("attention_bias", False)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         sliding_window=sliding,
         bos_token_id=raw.get("bos_token_id"),
@@ -130,7 +118,7 @@ def load_model_config(path: str | Path) -> ModelConfig:
 def to_hf_config(c: ModelConfig) -> dict:
     """A config.json for `c` that transformers and `parse_config` both read back to `c`."""
     raw = {k: v for k, v in asdict(c).items() if k not in ("architecture", "eos_token_ids")}
-    model_type = next(t for t, a in _MODEL_TYPES.items() if a == c.architecture)
+    model_type = get_architecture(c.architecture).model_type
     raw.update(architectures=[c.architecture], model_type=model_type, hidden_act="silu",
                eos_token_id=list(c.eos_token_ids), torch_dtype="float32")
     if c.sliding_window is None:

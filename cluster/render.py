@@ -1,0 +1,197 @@
+"""OpenAI responses built from a generation's text deltas: whole bodies, or SSE chunks.
+
+A non-streaming request collects every delta before it answers. A streaming one is primed
+before the HTTP status is sent: an error the worker raises before its first token (e.g. a
+prompt too large for its KV cache) is still a proper HTTP error. Later errors become an `error`
+event followed by `data: [DONE]`. The role chunk of a chat stream is only sent once the stream
+is known good, as OpenAI sends it first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from cluster.generation import ChoiceDelta, Generation, to_api_error
+from cluster.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TopLogprob,
+    Usage,
+    now,
+)
+from cluster.tokenizer import Tokenizer
+
+WORKER_HEADER = "x-prefixserve-worker"
+
+
+def worker_headers(gen: Generation) -> dict[str, str]:
+    """Which workers served the request (benchmarks count per-worker traffic with it)."""
+    workers = gen.workers_used()
+    return {WORKER_HEADER: ",".join(workers)} if workers else {}
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+async def sse_body(first: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The rest of the stream; an error mid-stream is an error event, and [DONE] always ends
+    it. A client disconnect cancels this generator, and closing `chunks` cancels the workers."""
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    except Exception as exc:
+        yield sse(to_api_error(exc).body)
+    finally:
+        await chunks.aclose()
+    yield "data: [DONE]\n\n"
+
+
+async def stream_response(gen: Generation, chunks: AsyncIterator[str]) -> StreamingResponse:
+    """Prime the stream (errors before the first chunk are plain HTTP errors), then SSE."""
+    try:
+        first = await anext(chunks)
+    except StopAsyncIteration:
+        first = ""
+    except Exception as exc:
+        await chunks.aclose()
+        raise to_api_error(exc) from None
+    return StreamingResponse(
+        sse_body(first, chunks), media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker_headers(gen)},
+    )
+
+
+async def collect(gen: Generation) -> list[list[ChoiceDelta]]:
+    """Every delta of the generation, per choice; a failure is an ApiError."""
+    per_choice: list[list[ChoiceDelta]] = [[] for _ in range(gen.num_choices)]
+    try:
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                per_choice[d.index].append(d)
+    except Exception as exc:
+        raise to_api_error(exc) from None
+    return per_choice
+
+
+def _finish(deltas: list[ChoiceDelta]) -> str | None:
+    return deltas[-1].finish_reason if deltas else None
+
+
+@dataclass(frozen=True)
+class Renderer:
+    """Renders one served model's responses; logprobs need its tokenizer's token texts."""
+
+    tokenizer: Tokenizer
+    model_name: str
+
+    async def completion(self, gen: Generation, req: CompletionRequest) -> CompletionResponse:
+        choices = []
+        for i, ds in enumerate(await collect(gen)):
+            logprobs = self.completion_logprobs(ds) if req.logprobs is not None else None
+            choices.append(CompletionChoice(index=i, text="".join(d.text for d in ds),
+                                            logprobs=logprobs, finish_reason=_finish(ds)))
+        return CompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
+                                  choices=choices, usage=gen.usage())
+
+    async def chat(self, gen: Generation, req: ChatCompletionRequest) -> ChatCompletionResponse:
+        choices = []
+        for i, ds in enumerate(await collect(gen)):
+            logprobs = self.chat_logprobs(ds) if req.logprobs else None
+            message = ChatResponseMessage(content="".join(d.text for d in ds))
+            choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
+                                      finish_reason=_finish(ds)))
+        return ChatCompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
+                                      choices=choices, usage=gen.usage())
+
+    def completion_logprobs(self, deltas: Iterable[ChoiceDelta], offset: int = 0
+                            ) -> CompletionLogprobs:
+        """Legacy completions logprobs: token texts, with their offsets into the choice's text."""
+        out = CompletionLogprobs()
+        for d in deltas:
+            for lp in d.logprobs or []:
+                text = self.tokenizer.token_text(lp.token_id)
+                out.tokens.append(text)
+                out.token_logprobs.append(lp.logprob)
+                out.top_logprobs.append(
+                    {self.tokenizer.token_text(t): v for t, v in lp.top})
+                out.text_offset.append(offset)
+                offset += len(text)
+        return out
+
+    def chat_logprobs(self, deltas: Iterable[ChoiceDelta]) -> ChatLogprobs:
+        """Chat logprobs carry each token's raw bytes: a token may be part of a character."""
+        def entry(token_id: int, logprob: float) -> TopLogprob:
+            raw = self.tokenizer.token_bytes(token_id)
+            return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob,
+                              bytes=list(raw))
+
+        content = []
+        for d in deltas:
+            for lp in d.logprobs or []:
+                main = entry(lp.token_id, lp.logprob)
+                content.append(ChatTokenLogprob(
+                    **main.model_dump(), top_logprobs=[entry(t, v) for t, v in lp.top]))
+        return ChatLogprobs(content=content)
+
+    async def completion_chunks(self, gen: Generation, req: CompletionRequest
+                                ) -> AsyncIterator[str]:
+        created, offsets = now(), [0] * gen.num_choices
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = self.completion_logprobs([d], offsets[d.index])
+                    offsets[d.index] += sum(len(t) for t in logprobs.tokens)
+                if not (d.text or d.finish_reason or logprobs):
+                    continue
+                choice = CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
+                                          finish_reason=d.finish_reason)
+                yield sse(CompletionChunk(id=gen.request_id, created=created, model=self.model_name,
+                                          choices=[choice]))
+        if req.include_usage:
+            yield sse(CompletionChunk(id=gen.request_id, created=created, model=self.model_name,
+                                      choices=[], usage=gen.usage()))
+
+    async def chat_chunks(self, gen: Generation, req: ChatCompletionRequest
+                          ) -> AsyncIterator[str]:
+        created = now()
+
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=gen.request_id, created=created,
+                                           model=self.model_name, choices=choices, usage=usage))
+
+        first = True
+        async with aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                if first:  # the role first, as OpenAI does; only after the stream is known good
+                    first = False
+                    yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant",
+                                                                           content=""))
+                                 for i in range(req.n)])
+                logprobs = self.chat_logprobs([d]) if req.logprobs else None
+                if not (d.text or d.finish_reason or (logprobs and logprobs.content)):
+                    continue
+                yield chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text or None),
+                                             logprobs=logprobs, finish_reason=d.finish_reason)])
+        if req.include_usage:
+            yield chunk([], gen.usage())

@@ -1,0 +1,95 @@
+-- Block-set primitives over a blob of 16-byte digests, in chunks of at most 256 keys per call.
+local CHUNK = 256
+
+local function code_of(id)
+  return struct.pack('>H', tonumber(id))
+end
+
+local function has(v, code)
+  local p = string.find(v, code, 1, true)
+  while p and p % 2 == 0 do p = string.find(v, code, p + 1, true) end
+  return p ~= nil
+end
+
+local function without(v, code)
+  local parts = {}
+  for k = 1, #v, 2 do
+    local c = string.sub(v, k, k + 1)
+    if c ~= code then parts[#parts + 1] = c end
+  end
+  return table.concat(parts)
+end
+
+-- calls fn(digests, values) for each chunk of the blob; values from the block hash
+local function each_chunk(bkey, blob, fn)
+  local n = #blob / 16
+  for s = 0, n - 1, CHUNK do
+    local digests = {}
+    for j = s, math.min(n, s + CHUNK) - 1 do
+      digests[#digests + 1] = string.sub(blob, j * 16 + 1, j * 16 + 16)
+    end
+    fn(digests, redis.call('HMGET', bkey, unpack(digests)))
+  end
+end
+
+-- adds the worker to every block of the blob; returns the digests it newly holds
+local function add_blocks(bkey, code, blob)
+  local added, seen = {}, {}
+  each_chunk(bkey, blob, function(digests, vals)
+    local kv = {}
+    for j = 1, #digests do
+      local d, v = digests[j], vals[j]
+      if v and #v % 2 == 1 then v = nil end  -- junk, not 2-byte ids: overwrite it
+      if not seen[d] and not (v and has(v, code)) then
+        seen[d] = true
+        kv[#kv + 1] = d
+        kv[#kv + 1] = v and v .. code or code
+        added[#added + 1] = d
+      end
+    end
+    if #kv > 0 then redis.call('HSET', bkey, unpack(kv)) end
+  end)
+  return added
+end
+
+-- removes the worker from every block of the blob; returns how many entries it dropped
+local function remove_blocks(bkey, code, blob)
+  local removed, seen = 0, {}
+  each_chunk(bkey, blob, function(digests, vals)
+    local kv, dels = {}, {}
+    for j = 1, #digests do
+      local d, v = digests[j], vals[j]
+      if v and #v % 2 == 1 and not seen[d] then  -- junk, not 2-byte ids: drop the field
+        seen[d] = true
+        dels[#dels + 1] = d
+      elseif v and not seen[d] and has(v, code) then
+        seen[d] = true
+        removed = removed + 1
+        if v == code then
+          dels[#dels + 1] = d
+        else
+          kv[#kv + 1] = d
+          kv[#kv + 1] = without(v, code)
+        end
+      end
+    end
+    if #kv > 0 then redis.call('HSET', bkey, unpack(kv)) end
+    if #dels > 0 then redis.call('HDEL', bkey, unpack(dels)) end
+  end)
+  return removed
+end
+
+-- the digests of the blob the worker really holds, once each
+local function held_blocks(bkey, code, blob)
+  local keep, seen = {}, {}
+  each_chunk(bkey, blob, function(digests, vals)
+    for j = 1, #digests do
+      local d, v = digests[j], vals[j]
+      if v and not seen[d] and has(v, code) then
+        seen[d] = true
+        keep[#keep + 1] = d
+      end
+    end
+  end)
+  return keep
+end

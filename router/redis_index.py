@@ -1,0 +1,389 @@
+"""The prefix index in Redis (or Valkey): each operation is one atomic Lua script (``lua/``).
+
+All keys of a model share one Redis Cluster hash tag; ``?cluster=true`` in the URL selects the
+cluster client. TLS (``rediss://``) and AUTH (``redis://user:password@host``) come with the URL.
+
+Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot per model)::
+
+    P.."B"           hash: 16-byte digest -> the 2-byte big-endian ids of the workers holding
+                     the block. One field per block is ~80 bytes of Redis memory (a key per
+                     block would be ~105), many blocks are read in ONE HMGET (a lookup walks
+                     512 blocks in ~10 Redis calls) and an apply writes a batch with one HMGET
+                     + HSET (+ HDEL).
+    P.."q"..digest   predicted entries: records of 2-byte id + 13-digit expiry (ms, Redis
+                     clock); the key's PX is the latest expiry
+    P.."r:"..id      the worker's reverse index: its digests appended as 16-byte records.
+                     Always a superset of its entries (removals leave garbage that is compacted
+                     once it outweighs the live part), so GC of a dead worker is O(own blocks).
+    P.."w:"..id      hash: rid, epoch, bs, fp, node, seq (-1 = needs resync), n, gc, gcpos
+    P.."reg"         set of allocated ids;  P.."ids"  hash replica_id -> id
+    P.."live"        zset 2-byte id -> lease expiry (ms, Redis clock)
+    P.."load"        hash 2-byte id -> msgpack WorkerLoad;  P.."lv"  load version (bumped on
+                     every change, so routers re-read loads only when one changed)
+    P.."rv"          registry version (bumped when the id -> replica mapping changes)
+    P.."name"        the model name owning the tag (detects tag collisions)
+
+Per-block keys and P.."B" are built inside the scripts from the prefix; they all share the
+declared keys' slot.
+
+Memory: a (block, worker) entry is 2 bytes (the worker id) in the block's field of the model's
+block hash plus 16 bytes in the worker's reverse index; with the field's own overhead shared by
+its holders that measured ~66 bytes an entry at 1M blocks x 2 holders (bench/index_bench.py).
+Redis must not evict keys on its own (``maxmemory-policy noeviction`` or ``volatile-*``):
+a partially evicted worker could leave entries that its reverse index does not know.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import struct
+from collections.abc import Awaitable, Iterable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, RedisError
+
+from router import redis_scripts
+from router.blocks import DIGEST_BYTES
+from router.events import (
+    EventBatch,
+    EventDecodeError,
+    WorkerLoad,
+    decode_load,
+    encode_events,
+    encode_load,
+    pack_digests,
+)
+from router.index import (
+    IndexSettings,
+    IndexUnavailable,
+    LookupResult,
+    ResultCode,
+    WorkerInfo,
+    WorkerMatch,
+    expect,
+)
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+_TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
+_GC_CHUNK = 4096
+_RESYNC_CHUNK = 4096
+_DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
+_HAS_TIMEOUT = hasattr(asyncio, "timeout")
+
+
+def key_tag(model: str) -> str:
+    """The hash tag of a model: its name when short and plain, else a short digest of it.
+
+    Short tags keep the per-block keys small (a 16-byte digest plus a few bytes).
+    """
+    if _TAG_RE.fullmatch(model):
+        return model
+    return "m" + hashlib.sha256(model.encode()).hexdigest()[:7]
+
+
+def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
+    """A client for ``url``; ``?cluster=true`` in the URL selects the Redis Cluster client.
+
+    A model's keys share one hash tag, so each script runs on the one node owning its slot.
+    """
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
+    url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    options: dict[str, Any] = {
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": socket_timeout_s,
+        # One immediate retry replaces a pooled connection that died with a Redis restart;
+        # every script is idempotent, and the caller's deadline still bounds the total.
+        "retry": Retry(NoBackoff(), 1),
+    }
+    if cluster:
+        return RedisCluster.from_url(url, **options)
+    return Redis.from_url(url, health_check_interval=0, **options)
+
+
+_QUERY_PASSWORD = re.compile(r"(^|[&;])(password=)[^&;]*", re.IGNORECASE)
+
+
+def safe_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``: fit for logs and error messages.
+
+    redis-py takes the password from the userinfo or from a ``?password=`` query parameter;
+    both are masked, the rest of the URL is left as written.
+    """
+    parts = urlsplit(url)
+    query = _QUERY_PASSWORD.sub(r"\1\2***", parts.query)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user = parts.username or ""
+        host = parts.hostname or ""
+        netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    if query == parts.query and netloc == parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def unavailable(exc: BaseException, url: str) -> IndexUnavailable:
+    """Redis' failure in words an operator can act on (wrong password, TLS), password masked."""
+    where = safe_url(url)
+    if isinstance(exc, AuthenticationError | AuthenticationWrongNumberOfArgsError):
+        if urlsplit(url).password is None:
+            reason = "requires a password and the URL has none"
+        else:
+            reason = f"rejected the password ({exc})"
+        return IndexUnavailable(
+            f"Redis at {where} {reason}: use redis://:PASSWORD@host:port "
+            f"(or redis://USER:PASSWORD@host:port)"
+        )
+    plain = url.startswith("redis://")
+    hint = "is it up? a TLS port needs rediss://" if plain else "is it up, with TLS?"
+    return IndexUnavailable(
+        f"cannot use Redis at {where}: {type(exc).__name__}: {str(exc) or 'no reply'} ({hint})"
+    )
+
+
+async def check_redis(url: str, timeout_s: float = 5.0) -> None:
+    """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
+    unreachable) instead of serving with prefix routing silently off."""
+    client = _connect(url, timeout_s)
+    try:
+        await asyncio.wait_for(client.ping(), timeout_s)
+    except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        raise unavailable(exc, url) from None
+    finally:
+        await client.aclose()
+
+
+def _code(worker_id: int) -> bytes:
+    """A worker id as the scripts store it in block values and the live set: 2 bytes, BE."""
+    return worker_id.to_bytes(2, "big")
+
+
+class RedisPrefixIndex:
+    """:class:`router.index.PrefixIndex` in one Redis (or Redis Cluster) keyspace per model."""
+
+    def __init__(
+        self,
+        url: str,  # redis://, rediss:// or unix://, password included; ?cluster=true for Cluster
+        model: str,
+        *,
+        deadline_s: float,
+        settings: IndexSettings | None = None,
+    ) -> None:
+        settings = settings or IndexSettings()
+        self.model = model
+        self.tag = key_tag(model)
+        self.deadline_s = deadline_s
+        self.admin_deadline_s = max(settings.admin_deadline_s, deadline_s)
+        self.lease_ttl_ms = max(1, int(settings.lease_ttl_s * 1000))
+        self.lease_ttl_s = self.lease_ttl_ms / 1000
+        self.predict_ttl_ms = max(1, int(settings.predict_ttl_s * 1000))
+        self._url = url
+        self._redis = _connect(url, self.admin_deadline_s)
+        p = self._prefix = "{" + self.tag + "}"
+        self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
+        self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
+        self._k_lv = p + "lv"
+        self._scripts = {
+            name: self._redis.register_script(redis_scripts.source(name))
+            for name in redis_scripts.SCRIPTS
+        }
+        self._workers: dict[int, WorkerInfo] = {}
+        self._rv: bytes | None = None
+        self._lv = b""
+        self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
+        self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
+
+    # -- plumbing -----------------------------------------------------------------------
+
+    async def _call(self, awaitable: Awaitable[T], deadline_s: float | None = None) -> T:
+        deadline = self.deadline_s if deadline_s is None else deadline_s
+        try:
+            if _HAS_TIMEOUT:  # no extra task per call, unlike wait_for before 3.12
+                async with asyncio.timeout(deadline):
+                    return await awaitable
+            return await asyncio.wait_for(awaitable, deadline)
+        except asyncio.TimeoutError:
+            msg = f"redis did not answer within {deadline * 1000:.0f} ms"
+            raise IndexUnavailable(msg) from None
+        except (RedisError, OSError) as exc:
+            raise unavailable(exc, self._url) from exc
+
+    def _run(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
+        return self._scripts[name](keys=keys, args=args)
+
+    def _w(self, worker_id: int) -> str:
+        return f"{self._prefix}w:{worker_id}"
+
+    def _r(self, worker_id: int) -> str:
+        return f"{self._prefix}r:{worker_id}"
+
+    # -- workers --------------------------------------------------------------------------
+
+    async def register(
+        self, replica_id: str, *, epoch: int, block_size: int, fingerprint: str, node: str = ""
+    ) -> int:
+        """See :meth:`router.index.PrefixIndex.register`; ValueError when the model's hash tag
+        is another model's, RuntimeError when all 65,535 worker ids are taken."""
+        if not 0 <= epoch < 2**53:  # Lua compares epochs as doubles
+            raise ValueError(f"epoch must be in [0, 2**53), got {epoch}")
+        keys = [self._k_reg, self._k_ids, self._k_live, self._k_rv, self._k_name]
+        args = [self._prefix, replica_id, epoch, block_size, fingerprint, node,
+                self.lease_ttl_ms, self.model]
+        code, worker_id = await self._call(self._run("register", keys, args))
+        expect(code, f"register {replica_id} epoch {epoch} in {{{self.tag}}}")
+        return int(worker_id)
+
+    async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
+        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv]
+        args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
+        code = await self._call(self._run("heartbeat", keys, args))
+        what = f"heartbeat of worker {worker_id}"
+        return expect(code, what, ResultCode.OK, ResultCode.UNKNOWN_WORKER) is ResultCode.OK
+
+    async def deregister(self, worker_id: int) -> None:
+        """Chunked, O(own blocks)."""
+        for dead in await self._mark_dead(str(worker_id)):
+            await self._collect(int(dead))
+
+    async def live_workers(self) -> list[WorkerInfo]:
+        keys = [self._k_live, self._k_rv]
+        rv, flat = await self._call(self._run("live", keys, [self._prefix]))
+        workers = []
+        for i in range(0, len(flat), 2):
+            try:
+                rid, epoch, bs, fp, node = flat[i + 1]
+                if rid is None:  # no record (gone, or not a hash): not a worker
+                    continue
+                workers.append(WorkerInfo(int(flat[i]), rid.decode(), int(epoch), int(bs),
+                                          fp.decode(), (node or b"").decode()))
+            except (TypeError, ValueError, AttributeError) as exc:  # junk in the record
+                if flat[i] not in self._corrupt:
+                    self._corrupt.add(flat[i])
+                    log.warning("prefix index %s: corrupt record of worker %r skipped (%r)",
+                                self.tag, flat[i], exc)
+        self._workers = {w.worker_id: w for w in workers}
+        self._rv = rv
+        return workers
+
+    # -- events ---------------------------------------------------------------------------
+
+    async def apply(self, batch: EventBatch) -> ResultCode:
+        keys = [self._w(batch.worker_id), self._r(batch.worker_id)]
+        args = [self._prefix, batch.worker_id, batch.epoch, batch.seq,
+                encode_events(batch.events)]
+        code = await self._call(self._run("apply", keys, args))
+        what = f"apply of worker {batch.worker_id} epoch {batch.epoch} seq {batch.seq}"
+        return expect(code, what, ResultCode.OK, ResultCode.STALE_EPOCH, ResultCode.RESYNC_NEEDED)
+
+    async def resync(self, worker_id: int, epoch: int, hashes: Iterable[bytes], seq: int) -> None:
+        """Chunked so Redis never stalls on a large set; lookups meanwhile may see a mix of the
+        old and new sets, which is harmless for an advisory index."""
+        new = dict.fromkeys(hashes)
+        packed_new = pack_digests(list(new))
+        keys = [self._w(worker_id), self._r(worker_id)]
+        what = f"resync of worker {worker_id} epoch {epoch}"
+        code, old_blob = await self._call(
+            self._run("resync_begin", keys, [epoch]), self.admin_deadline_s
+        )
+        expect(code, what)
+        old = {old_blob[i : i + DIGEST_BYTES] for i in range(0, len(old_blob), DIGEST_BYTES)}
+        removes = b"".join(h for h in old if h not in new)
+        step = _RESYNC_CHUNK * DIGEST_BYTES
+        for start in range(0, max(len(removes), len(packed_new)), step):
+            args = [self._prefix, worker_id, epoch, removes[start : start + step],
+                    packed_new[start : start + step]]
+            code = await self._call(self._run("resync_chunk", keys, args), self.admin_deadline_s)
+            expect(code, what)
+        code = await self._call(
+            self._run("resync_commit", keys, [epoch, seq, packed_new]), self.admin_deadline_s
+        )
+        expect(code, what)
+
+    # -- routing --------------------------------------------------------------------------
+
+    async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
+        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv]
+        args = [self._prefix, pack_digests(chain), self._lv]
+        rv, codes, recs, lv, loads, walked = await self._call(self._run("lookup", keys, args))
+        ids = struct.unpack(f">{len(codes) // 2}H", codes)
+        if rv != self._rv or any(wid not in self._workers for wid in ids):
+            await self.live_workers()
+        if loads is not None:  # some load changed since our last lookup: refresh them all
+            self._lv = lv
+            for wid, raw in zip(ids, loads, strict=True):
+                self._decode_load(wid, raw)
+        depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
+        matches = {}
+        for wid in ids:
+            info = self._workers.get(wid)
+            if info is not None:
+                confirmed, predicted = depth.get(wid, (0, 0))
+                cached = self._loads.get(wid)
+                load = cached[1] if cached else None
+                matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
+                                                       predicted, load)
+        return LookupResult(matches, walked)
+
+    def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
+        if raw is None:
+            self._loads.pop(worker_id, None)
+            return
+        cached = self._loads.get(worker_id)
+        if cached is not None and cached[0] == raw:
+            return
+        try:
+            load = decode_load(raw)
+        except EventDecodeError as exc:
+            if cached is None or cached[1] is not None:
+                log.warning("prefix index %s: bad load record of worker %d ignored (%s)",
+                            self.tag, worker_id, exc)
+            load = None
+        self._loads[worker_id] = (raw, load)
+
+    async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
+        """Predicted entries expire after ``predict_ttl_s`` (Redis clock)."""
+        packed = pack_digests(chain[from_block:])
+        if packed:
+            args = [self._prefix, worker_id, self.predict_ttl_ms, packed]
+            await self._call(self._run("predict", [self._k_live], args))
+
+    # -- garbage collection ----------------------------------------------------------------
+
+    async def gc(self) -> int:
+        removed = 0
+        for dead in await self._mark_dead(""):
+            removed += await self._collect(int(dead))
+        return removed
+
+    async def _mark_dead(self, only_id: str) -> list[bytes]:
+        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv]
+        return await self._call(
+            self._run("gc_mark", keys, [self._prefix, only_id]), self.admin_deadline_s
+        )
+
+    async def _collect(self, worker_id: int) -> int:
+        keys = [self._w(worker_id), self._r(worker_id), self._k_reg, self._k_rv]
+        removed, done = 0, 0
+        while not done:
+            n, done = await self._call(
+                self._run("gc_chunk", keys, [self._prefix, worker_id, _GC_CHUNK]),
+                self.admin_deadline_s,
+            )
+            removed += n
+        self._workers.pop(worker_id, None)
+        self._loads.pop(worker_id, None)
+        return removed
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,391 @@
+"""What the prefix-aware request router knows and decides, without Ray and without I/O.
+
+:class:`RouterState` holds one router's bookkeeping: each pending request's hashed chain, what
+it routed and where (until the worker's reported load covers it), its own recent decisions
+(:class:`LocalPredictions`), the last loads it saw, whether the workers are compatible and
+whether the index is in fail-open backoff. From that and an index lookup it builds the
+:class:`router.policy.WorkerView` s and ranks them. :mod:`router.request_router` only adapts
+Serve's calls to it and does the index I/O, so every decision here is testable on plain values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import struct
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.blocks import DEFAULT_BLOCK_SIZE, hash_chain, namespace
+from router.events import WorkerLoad
+from router.index import IndexSettings, LookupResult, WorkerInfo, WorkerMatch
+from router.policy import PolicyConfig, Score, WorkerView, rank
+
+logger = logging.getLogger("ray.serve")
+
+_LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
+_MAX_CONTEXTS = 4096  # past this, contexts of requests cancelled before routing are dropped
+_CONTEXT_MAX_AGE_S = 60.0
+_MAX_ROUTED = 10_000  # past this, records of requests Serve never sent are dropped
+_ROUTED_MAX_AGE_S = 600.0
+
+
+class LocalPredictions:
+    """This router's own recent decisions, block by block, each expiring after ``ttl_s``."""
+
+    def __init__(self, ttl_s: float, max_blocks: int = 200_000) -> None:
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+
+    def record(self, chain: Sequence[bytes], worker: str, now: float) -> None:
+        expiry = now + self.ttl_s
+        for h in chain:
+            self._blocks.setdefault(h, {})[worker] = expiry
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+    def depths(self, chain: Sequence[bytes], now: float) -> dict[str, int]:
+        """Consecutive predicted depth from block 0, per worker."""
+        depth: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(chain):
+            entry = self._blocks.get(h)
+            if not entry:
+                break
+            here = {w for w, expiry in entry.items() if expiry > now}
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for w in alive:
+                depth[w] = i + 1
+        return depth
+
+
+def common_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Length of the common prefix of two chains (a chained hash equal at i is equal before)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # binary search: the first differing block
+        mid = (lo + hi) // 2
+        if a[mid] == b[mid]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class Routed:
+    """A request this router sent, until the worker's reported load covers it."""
+
+    worker: str
+    routed_at: float
+    new_tokens: int  # prompt tokens it will prefill there
+    chain: list[bytes]
+    start_block: int  # its prefill starts here (the depth it was credited with)
+    internal_id: str  # Serve's, for on_request_completed (shared by sibling handle calls)
+
+    def unshared_tokens(self, chain: list[bytes], block_size: int) -> int:
+        """Its prefill work that is not the prefix ``chain`` shares with it.
+
+        A request that follows another with the same prefix needs that work done anyway (here
+        or, twice over, elsewhere), so it must not count as a backlog that pushes it away.
+        """
+        shared = common_blocks(self.chain, chain)
+        overlap = max(0, shared - self.start_block) * block_size
+        return max(0, self.new_tokens - overlap)
+
+
+@dataclass
+class RequestContext:
+    """Per pending request, so retries never re-hash the prompt."""
+
+    chain: list[bytes]
+    tie_key: bytes
+    num_prompt_tokens: int
+    created_at: float
+    new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
+    depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
+    confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A replica Serve offers for one request, as the ranking sees it."""
+
+    key: str  # the replica's unique id
+    routing_stats: Mapping[str, Any] = field(default_factory=dict)  # its record_routing_stats
+    queue_len: int | None = None  # Serve's cached count of its ongoing requests
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted entry to write to the index once Serve has sent a request."""
+
+    chain: list[bytes]
+    worker_id: int
+    from_block: int  # the blocks before it are confirmed there already
+
+
+_INTERNAL = {"internal": True}  # set by the app from other sections, not by users
+
+
+class RouterSettings(BaseModel):
+    """The router section of the cluster config, passed whole as the request router's kwargs
+    (``PrefixAwareRequestRouter.initialize_state``); the internal fields the app fills in."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    lookup_deadline_s: float = Field(
+        0.02, gt=0.0, description="Index lookup deadline; past it routing uses load only")
+    failopen_backoff_s: float = Field(
+        1.0, ge=0.0, description="After a failed index lookup, route by load only this long")
+    load_max_age_s: float = Field(
+        10.0, gt=0.0, description="A worker's reported load older than this is not used")
+    check_interval_s: float = Field(
+        30.0, gt=0.0, description="How often a router re-checks the workers' block size and "
+        "model fingerprint")
+    target_wait_s: float = Field(
+        10.0, gt=0.0, description="How long a call for one named worker waits for that replica "
+        "to appear")
+    weights: PolicyConfig = Field(
+        default_factory=PolicyConfig, description="The routing cost model (router.policy)")
+    model: str = Field("", description="Served model name: the index keyspace",
+                       json_schema_extra=_INTERNAL)
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, ge=1, description="The workers' block size",
+                            json_schema_extra=_INTERNAL)
+    fingerprint: str | None = Field(
+        None, description="Model fingerprint; None adopts the registered workers'",
+        json_schema_extra=_INTERNAL)
+    prefix_routing: bool = Field(
+        True, description="False ranks by load only (the no-index baseline)",
+        json_schema_extra=_INTERNAL)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _weights_count_our_blocks(cls, data: Any) -> Any:
+        """The cost model counts blocks of the workers' size: one block size for both."""
+        if not isinstance(data, dict) or "block_size" not in data:
+            return data
+        weights = data.get("weights") or {}
+        if isinstance(weights, PolicyConfig):
+            weights = asdict(weights)
+        return {**data, "weights": {**weights, "block_size": data["block_size"]}}
+
+
+class RouterState:
+    """One router's bookkeeping and decisions; requests are keyed by a caller-chosen int."""
+
+    def __init__(self, settings: RouterSettings, index: IndexSettings | None = None) -> None:
+        self.settings = settings
+        self.fingerprint = settings.fingerprint  # None until adopted from the workers
+        self.compatible: bool | None = None  # None until the first check could run
+        self.index_down_until = 0.0
+        self.next_check = 0.0
+        self.local = LocalPredictions((index or IndexSettings()).predict_ttl_s)
+        self.contexts: dict[int, RequestContext] = {}
+        self.routed: dict[int, Routed] = {}
+        self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
+        self.worker_ids: dict[str, int] = {}  # replica -> index worker id
+
+    # -------------------------------------------------------------------------- requests
+
+    def context(
+        self, key: int, tokens: Sequence[int], cache_salt: str | None, now: float
+    ) -> RequestContext:
+        """The request's context, made (and its chain hashed) on first use."""
+        ctx = self.contexts.get(key)
+        if ctx is not None:
+            return ctx
+        block_size = self.settings.block_size
+        chain: list[bytes] = []
+        if self.settings.prefix_routing and self.fingerprint is not None:
+            chain = hash_chain(tokens, block_size, namespace(self.fingerprint, cache_salt))
+        if chain:
+            tie_key = chain[0]
+        else:  # shorter than a block (or no fingerprint yet): nothing cacheable, just spread
+            tie_key = hashlib.blake2b(
+                struct.pack(f"<{min(len(tokens), 64)}I", *tokens[:64]), digest_size=16
+            ).digest()
+        ctx = RequestContext(chain, tie_key, max(1, len(tokens)), now)
+        self.contexts[key] = ctx
+        if len(self.contexts) > _MAX_CONTEXTS:
+            for stale in [k for k, c in self.contexts.items()
+                          if now - c.created_at > _CONTEXT_MAX_AGE_S]:
+                del self.contexts[stale]
+        return ctx
+
+    def rank(
+        self,
+        key: int,
+        ctx: RequestContext,
+        candidates: Sequence[Candidate],
+        result: LookupResult | None,
+        now: float,
+    ) -> list[Score]:
+        """All candidates, best first, from the lookup (None: by load only), this router's own
+        recent decisions and the work it sent that the reported loads do not cover yet."""
+        if result is not None:
+            ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
+        local = self.local.depths(ctx.chain, now) if ctx.chain else {}
+        pending = self.pending_by_worker(exclude=key)
+        views = []
+        for candidate in candidates:
+            match = result.matches.get(candidate.key) if result is not None else None
+            load = self.load_for(candidate, match, now)
+            tokens, count = 0.0, 0
+            since = load.timestamp if load is not None else 0.0
+            for routed in pending.get(candidate.key, ()):
+                if routed.routed_at > since:
+                    tokens += routed.unshared_tokens(ctx.chain, self.settings.block_size)
+                    count += 1
+            views.append(
+                WorkerView(
+                    key=candidate.key,
+                    confirmed_depth=match.confirmed_depth if match else 0,
+                    predicted_depth=max(match.predicted_depth if match else 0,
+                                        local.get(candidate.key, 0)),
+                    load=load,
+                    pending_prefill_tokens=int(tokens),
+                    pending_requests=count,
+                    queue_len=candidate.queue_len,
+                )
+            )
+        ranking = rank(ctx.num_prompt_tokens, views, self.settings.weights, ctx.tie_key)
+        ctx.new_tokens = {s.key: s.new_tokens for s in ranking}
+        ctx.depth = {s.key: s.matched_blocks for s in ranking}
+        return ranking
+
+    def note_routed(
+        self, key: int, worker: str, ctx: RequestContext, internal_id: str, now: float
+    ) -> None:
+        """The request goes (or went) to ``worker``: count its prefill there until reported."""
+        if ctx.chain:
+            self.local.record(ctx.chain, worker, now)
+        tokens = ctx.new_tokens.get(worker, ctx.num_prompt_tokens)
+        self.routed[key] = Routed(worker, now, tokens, ctx.chain, ctx.depth.get(worker, 0),
+                                  internal_id)
+        if len(self.routed) > _MAX_ROUTED:
+            for stale in [k for k, r in self.routed.items()
+                          if now - r.routed_at > _ROUTED_MAX_AGE_S]:
+                del self.routed[stale]
+
+    def sent(self, key: int, worker: str, internal_id: str, now: float) -> Prediction | None:
+        """Serve sent the request to ``worker`` (maybe not the first choice): record the truth;
+        returns the predicted entry to announce, if any."""
+        ctx = self.contexts.pop(key, None)
+        if ctx is None:
+            return None
+        self.note_routed(key, worker, ctx, internal_id, now)
+        worker_id = self.worker_ids.get(worker)
+        confirmed = ctx.confirmed.get(worker, 0)
+        if len(ctx.chain) > confirmed and worker_id is not None and self.usable(now):
+            return Prediction(ctx.chain, worker_id, confirmed)
+        return None
+
+    def completed(self, worker: str, internal_id: str) -> None:
+        for key, routed in self.routed.items():
+            if routed.internal_id == internal_id and routed.worker == worker:
+                del self.routed[key]
+                return
+
+    def pending_by_worker(self, exclude: int) -> dict[str, list[Routed]]:
+        """In-flight requests per worker, except the one being (re)routed."""
+        out: dict[str, list[Routed]] = {}
+        for key, routed in self.routed.items():
+            if key != exclude:
+                out.setdefault(routed.worker, []).append(routed)
+        return out
+
+    def load_for(
+        self, candidate: Candidate, match: WorkerMatch | None, now: float
+    ) -> WorkerLoad | None:
+        """The index's load, else the last one seen (while fresh), else the routing stats'."""
+        if match is not None and match.load is not None:
+            self.loads[candidate.key] = (match.load, now)
+            return match.load
+        cached = self.loads.get(candidate.key)
+        if cached is not None and now - cached[1] <= self.settings.load_max_age_s:
+            return cached[0]
+        raw = candidate.routing_stats.get("load")
+        if isinstance(raw, dict):
+            try:
+                return WorkerLoad(**{k: v for k, v in raw.items() if k in _LOAD_FIELDS})
+            except TypeError:
+                return None
+        return None
+
+    # ----------------------------------------------------------------------------- index
+
+    def usable(self, now: float) -> bool:
+        """Whether the index may be used now (on, compatible, not in fail-open backoff)."""
+        return bool(self.settings.prefix_routing and self.compatible
+                    and now >= self.index_down_until)
+
+    def lookup_blocked(self, now: float) -> str | None:
+        """Why a lookup must not be tried now (the fail-open reason), or None."""
+        if not self.compatible:
+            return "unchecked" if self.compatible is None else "incompatible"
+        if now < self.index_down_until:
+            return "backoff"
+        return None
+
+    def lookup_failed(self, now: float) -> None:
+        """Route by load only for ``failopen_backoff_s``: a slow index is not asked again."""
+        self.index_down_until = now + self.settings.failopen_backoff_s
+
+    def looked_up(self, result: LookupResult) -> None:
+        for key, match in result.matches.items():
+            self.worker_ids[key] = match.worker_id
+
+    # --------------------------------------------------------------------- compatibility
+
+    def check_due(self, now: float) -> bool:
+        """Whether a workers check is due; if so, the next one is scheduled from now."""
+        if now < self.next_check:
+            return False
+        self.next_check = now + self.settings.check_interval_s
+        return True
+
+    def check_postponed(self, now: float) -> None:
+        """The check could not run (index unavailable, no worker yet): try again soon."""
+        self.next_check = now + self.settings.failopen_backoff_s
+
+    def check_workers(
+        self, workers: Sequence[WorkerInfo], candidates: Sequence[Candidate], now: float
+    ) -> None:
+        """Block size and fingerprint must match the workers', or prefix routing is off: a
+        chain hashed differently would never match and would pin traffic by accident."""
+        reported = {(w.replica_id, w.block_size, w.fingerprint) for w in workers}
+        for candidate in candidates:
+            stats = candidate.routing_stats
+            if "block_size" in stats and "fingerprint" in stats:
+                reported.add((candidate.key, stats["block_size"], stats["fingerprint"]))
+        if not reported:  # no worker registered yet: ask again soon
+            self.check_postponed(now)
+            return
+        if self.fingerprint is None:
+            fingerprints = {fp for _, _, fp in reported}
+            if len(fingerprints) == 1:
+                self.fingerprint = fingerprints.pop()
+        block_size, model = self.settings.block_size, self.settings.model
+        bad = [r for r in reported if r[1] != block_size or r[2] != self.fingerprint]
+        if bad:
+            logger.error(
+                "PREFIX ROUTING DISABLED for model %r: router uses block_size=%d "
+                "fingerprint=%r but workers report %s. Fix the configuration so both agree.",
+                model, block_size, self.fingerprint, sorted(bad),
+            )
+            self.compatible = False
+            return
+        if not self.compatible:
+            logger.info(
+                "prefix routing on for model %r: block_size=%d fingerprint=%s (%d workers)",
+                model, block_size, self.fingerprint, len({r[0] for r in reported}),
+            )
+        self.compatible = True

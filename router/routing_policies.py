@@ -1,0 +1,29 @@
+"""The routing policies a cluster can run, by the name ``ClusterConfig.policy`` takes.
+
+A policy is a Serve request router. Adding one is a module with a ``RequestRouter`` subclass
+plus one entry here: the config's choices and the app's wiring both come from this table.
+Import paths, not classes, so that reading the table (the config does, in every CLI call)
+imports no Ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoutingPolicy:
+    request_router: str | None  # "module:Class" of the request router; None: Serve's default
+    needs_index: bool  # routes with the prefix index: gets the index settings as router kwargs
+
+
+ROUTING_POLICIES: dict[str, RoutingPolicy] = {
+    # KV-aware: ranks by estimated TTFT with prefix-cache credit from the index
+    "prefix": RoutingPolicy("router.request_router:PrefixAwareRequestRouter", needs_index=True),
+    # Serve's power of two choices (by queue length)
+    "pow2": RoutingPolicy(None, needs_index=False),
+    # cache-blind rotation, the baseline
+    "round_robin": RoutingPolicy("router.round_robin:RoundRobinRequestRouter", needs_index=False),
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(ROUTING_POLICIES)

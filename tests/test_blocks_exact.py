@@ -1,0 +1,155 @@
+"""The block-hash chain against an independent SHA-256 reference: exact digests, edge cases."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from router.blocks import (
+    DEFAULT_BLOCK_SIZE,
+    ROOT,
+    BlockHasher,
+    _u32,
+    hash_block,
+    hash_chain,
+    namespace,
+)
+
+
+def le32(value: int) -> bytes:
+    """Little-endian u32, written without ``struct`` (an independent encoder)."""
+    return value.to_bytes(4, "little")
+
+
+def ref_namespace(fp: str, salt: str | None) -> bytes:
+    body = b"PSN1" + le32(len(fp.encode())) + fp.encode()
+    if salt is None:
+        body += b"\x00" + le32(0)
+    else:
+        body += b"\x01" + le32(len(salt.encode())) + salt.encode()
+    return hashlib.sha256(body).digest()[:16]
+
+
+def ref_block(parent: bytes, tokens: list[int], extra: bytes = b"") -> bytes:
+    body = b"".join(le32(t) for t in tokens)
+    payload = b"PSB1" + parent + le32(len(tokens)) + body + le32(len(extra)) + extra
+    return hashlib.sha256(payload).digest()[:16]
+
+
+def ref_chain(tokens: list[int], bs: int, ns: bytes = b"") -> list[bytes]:
+    out: list[bytes] = []
+    for start in range(0, len(tokens) - bs + 1, bs):
+        block = tokens[start:start + bs]
+        out.append(ref_block(out[-1], block) if out else ref_block(ROOT, block, ns))
+    return out
+
+
+def test_root_and_u32_layout() -> None:
+    assert ROOT == hashlib.sha256(b"prefixserve/block-hash/v1/root").digest()[:16]
+    assert _u32(0) == b"\x00\x00\x00\x00"
+    assert _u32(0x01020304) == b"\x04\x03\x02\x01"
+    assert _u32(2**32 - 1) == b"\xff\xff\xff\xff"
+
+
+@pytest.mark.parametrize(
+    ("fp", "salt"),
+    [("m", None), ("m", ""), ("m", "tenant"), ("", None), ("modèle", "sél")],
+)
+def test_namespace_matches_reference(fp: str, salt: str | None) -> None:
+    assert namespace(fp, salt) == ref_namespace(fp, salt)
+    assert len(namespace(fp, salt)) == 16
+
+
+def test_namespace_default_salt_is_none_and_empty_salt_differs() -> None:
+    assert namespace("m") == namespace("m", None) == ref_namespace("m", None)
+    assert namespace("m", "") != namespace("m")
+    assert namespace("a", "b") != namespace("ab")
+
+
+def test_hash_block_matches_reference() -> None:
+    parent = bytes(range(16))
+    assert hash_block(parent, [1, 2, 3]) == ref_block(parent, [1, 2, 3])
+    assert hash_block(parent, [1, 2, 3], b"ns") == ref_block(parent, [1, 2, 3], b"ns")
+    assert hash_block(parent, []) == ref_block(parent, [])
+    assert hash_block(parent, [2**32 - 1, 0]) == ref_block(parent, [2**32 - 1, 0])
+    # default extra is empty, not some other constant
+    assert hash_block(parent, [5]) == hash_block(parent, [5], b"")
+
+
+@pytest.mark.parametrize("size", [0, 15, 17, 32])
+def test_hash_block_rejects_bad_parent(size: int) -> None:
+    with pytest.raises(ValueError) as info:
+        hash_block(b"\x00" * size, [1])
+    assert str(info.value) == f"parent digest must be 16 bytes, got {size}"
+
+
+@pytest.mark.parametrize("token", [-1, 2**32, 1.5])
+def test_hash_block_rejects_bad_tokens(token: object) -> None:
+    with pytest.raises(ValueError) as info:
+        hash_block(ROOT, [1, token])  # type: ignore[list-item]
+    assert str(info.value).startswith("token ids must be integers in [0, 2**32): ")
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_hash_chain_matches_reference() -> None:
+    ns = namespace("fp", "salt")
+    tokens = [7 * i % 1000 for i in range(53)]
+    for bs in (1, 4, 16):
+        assert hash_chain(tokens, bs, ns) == ref_chain(tokens, bs, ns)
+    # defaults: 16-token blocks, empty namespace
+    assert DEFAULT_BLOCK_SIZE == 16
+    assert hash_chain(tokens) == ref_chain(tokens, 16, b"")
+    assert len(hash_chain(tokens)) == 3
+
+
+def test_chain_links_each_block_to_the_previous_one() -> None:
+    # identical blocks: chaining off hashes[0] instead of hashes[-1] would repeat digests
+    tokens = [3] * 16
+    hashes = hash_chain(tokens, 4, b"")
+    assert len(set(hashes)) == 4
+    assert hashes[2] == ref_block(hashes[1], [3] * 4)
+    assert hashes[3] == ref_block(hashes[2], [3] * 4)
+
+
+def test_namespace_only_enters_block_zero() -> None:
+    ns = namespace("fp")
+    a, b = hash_chain(list(range(8)), 4, ns), hash_chain(list(range(8)), 4, b"")
+    assert a[0] == ref_block(ROOT, [0, 1, 2, 3], ns) != b[0]
+    assert a[1] == ref_block(a[0], [4, 5, 6, 7])  # no extra after block 0
+
+
+def test_incremental_appends_equal_one_shot() -> None:
+    ns = namespace("fp")
+    tokens = list(range(100, 131))
+    hasher = BlockHasher(8, ns)
+    assert hasher.block_size == 8 and hasher.namespace == ns
+    got: list[list[bytes]] = [hasher.append(tokens[i:i + 3]) for i in range(0, len(tokens), 3)]
+    expected = ref_chain(tokens, 8, ns)
+    assert [h for new in got for h in new] == expected
+    assert hasher.hashes == expected
+    # a block is reported by exactly the append that completed it
+    assert [len(new) for new in got] == [0, 0, 1, 0, 0, 1, 0, 1, 0, 0, 0]
+    assert hasher.num_tokens == 31
+    assert hasher._pending == tokens[24:]
+
+
+def test_one_append_can_complete_several_blocks() -> None:
+    hasher = BlockHasher(2)
+    assert hasher.append([1]) == []
+    assert hasher.num_tokens == 1
+    new = hasher.append([2, 3, 4, 5, 6])
+    assert new == ref_chain([1, 2, 3, 4, 5, 6], 2)
+    assert hasher.num_tokens == 6
+    assert hasher.append([]) == []
+    assert hasher.hashes == new
+
+
+def test_block_hasher_defaults_and_bounds() -> None:
+    hasher = BlockHasher()
+    assert hasher.block_size == 16 and hasher.namespace == b""
+    assert hasher.hashes == [] and hasher.num_tokens == 0
+    assert BlockHasher(1).append([9]) == [ref_block(ROOT, [9])]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=r"^block_size must be >= 1$"):
+            BlockHasher(bad)

@@ -1,0 +1,235 @@
+"""The request router's pure state: contexts, bookkeeping, ranking inputs, fail-open, checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.blocks import hash_chain, namespace
+from router.events import WorkerLoad
+from router.index import LookupResult, WorkerInfo, WorkerMatch
+from router.router_state import (
+    Candidate,
+    LocalPredictions,
+    Prediction,
+    Routed,
+    RouterSettings,
+    RouterState,
+    common_blocks,
+)
+
+NS = namespace("fp")
+TOKENS_A = list(range(16 * 6))
+A = hash_chain(TOKENS_A, 16, NS)  # 6 blocks
+B = hash_chain(list(range(16 * 4)) + [999] * 32, 16, NS)  # shares A's first 4 blocks
+C = hash_chain([7] * 64, 16, NS)  # shares nothing
+ABC = [Candidate("a"), Candidate("b"), Candidate("c")]
+
+
+def state(**kw) -> RouterState:
+    settings = {"fingerprint": "fp", "block_size": 16}
+    return RouterState(RouterSettings(**{**settings, **kw}))
+
+
+def compatible_state(**kw) -> RouterState:
+    st = state(**kw)
+    st.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
+    assert st.compatible
+    return st
+
+
+def lookup(**depths: int) -> LookupResult:
+    ids = {"a": 1, "b": 2, "c": 3}
+    return LookupResult({k: WorkerMatch(ids[k], k, d, d, None) for k, d in depths.items()})
+
+
+def test_common_blocks() -> None:
+    assert common_blocks(A, A) == 6
+    assert common_blocks(A, B) == common_blocks(B, A) == 4
+    assert common_blocks(A, C) == 0
+    assert common_blocks(A, []) == 0
+    assert common_blocks(A, A[:3]) == 3
+
+
+def test_local_predictions_give_consecutive_depth_and_expire() -> None:
+    local = LocalPredictions(ttl_s=2.0)
+    local.record(A, "w1", now=100.0)
+    local.record(B[:5], "w2", now=100.5)
+    assert local.depths(A, now=101.0) == {"w1": 6, "w2": 4}
+    assert local.depths(B, now=101.0) == {"w1": 4, "w2": 5}
+    assert local.depths(C, now=101.0) == {}
+    assert local.depths(A, now=102.2) == {"w2": 4}  # w1's entries expired
+    assert local.depths(A, now=103.0) == {}
+
+
+def test_local_predictions_are_bounded() -> None:
+    local = LocalPredictions(ttl_s=10.0, max_blocks=5)
+    local.record(A, "w1", now=0.0)
+    assert local.depths(A, now=1.0) == {}  # block 0 was evicted first
+    assert len(local._blocks) == 5
+
+
+def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
+    leader = Routed("w", 0.0, new_tokens=6 * 16 + 3, chain=A, start_block=0, internal_id="r")
+    follower = Routed("w", 0.0, new_tokens=3, chain=A, start_block=6, internal_id="r")
+    other = Routed("w", 0.0, new_tokens=64, chain=C, start_block=0, internal_id="r")
+    # A request with A's prefix waits only for the leader's unshared tail.
+    assert leader.unshared_tokens(A, 16) == 3
+    assert follower.unshared_tokens(A, 16) == 3
+    assert other.unshared_tokens(A, 16) == 64
+    # B shares 4 of the leader's blocks: the other 2 blocks + tail are a real backlog.
+    assert leader.unshared_tokens(B, 16) == 2 * 16 + 3
+
+
+def test_context_hashes_once_with_the_tenant_namespace() -> None:
+    st = state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    assert ctx.chain == A and ctx.tie_key == A[0] and ctx.num_prompt_tokens == 96
+    assert st.context(1, [5] * 64, None, now=1.0) is ctx  # a retry: not hashed again
+    salted = st.context(2, TOKENS_A, "tenant", now=0.0)
+    assert salted.chain == hash_chain(TOKENS_A, 16, namespace("fp", "tenant")) != A
+
+
+@pytest.mark.parametrize("kw", [{"fingerprint": None}, {"prefix_routing": False}])
+def test_no_chain_without_fingerprint_or_prefix_routing(kw: dict) -> None:
+    st = state(**kw)
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    other = st.context(2, [1] * 96, None, now=0.0)
+    assert ctx.chain == [] and len(ctx.tie_key) == 16
+    assert ctx.tie_key != other.tie_key  # short or unhashed prompts still spread by content
+    assert st.context(3, [], None, now=0.0).num_prompt_tokens == 1
+
+
+def test_stale_contexts_are_dropped_once_there_are_many() -> None:
+    st = state()
+    for key in range(4096):
+        st.context(key, [1, 2], None, now=0.0)
+    st.context(5000, [1, 2], None, now=30.0)
+    assert len(st.contexts) == 4097  # nothing old enough yet
+    st.context(5001, [1, 2], None, now=61.0)
+    assert set(st.contexts) == {5000, 5001}
+
+
+def test_rank_credits_the_index_and_records_the_depths() -> None:
+    st = state()
+    ctx = st.context(1, [*TOKENS_A, 1, 2, 3], None, now=0.0)
+    ranking = st.rank(1, ctx, ABC, lookup(a=0, b=6, c=2), now=0.0)
+    assert [s.key for s in ranking] == ["b", "c", "a"]
+    assert ctx.confirmed == {"a": 0, "b": 6, "c": 2}
+    assert ctx.depth == {"a": 0, "b": 6, "c": 2}
+    assert ctx.new_tokens == {"a": 99, "b": 3, "c": 99 - 32}
+
+
+def test_own_decisions_count_until_the_index_knows() -> None:
+    st = state()
+    first = st.context(1, TOKENS_A, None, now=0.0)
+    st.rank(1, first, ABC, None, now=0.0)
+    st.note_routed(1, "c", first, "r1", now=0.0)
+    second = st.context(2, TOKENS_A, None, now=0.1)
+    ranking = st.rank(2, second, ABC, None, now=0.1)
+    assert ranking[0].key == "c" and ranking[0].matched_blocks == 6  # the local prediction
+    assert second.depth["c"] == 6 and second.confirmed == {}
+    later = st.context(3, TOKENS_A, None, now=5.0)
+    assert st.rank(3, later, ABC, None, now=5.0)[0].matched_blocks == 0  # expired
+
+
+def test_backlog_counts_only_requests_sent_after_the_reported_load() -> None:
+    st = state()
+    for key, at in ((1, 1.0), (2, 3.0)):
+        ctx = st.context(key, [key] * 2000, None, now=at)
+        st.note_routed(key, "a", ctx, f"r{key}", now=at)
+    load = WorkerLoad(timestamp=2.0, prefill_tokens_per_s=4000.0)
+    result = LookupResult({"a": WorkerMatch(1, "a", 0, 0, load)})
+    ctx = st.context(9, [9] * 20, None, now=3.5)
+    ranking = st.rank(9, ctx, [Candidate("a"), Candidate("b")], result, now=3.5)
+    assert ranking[0].key == "b"  # a has request 2 (sent after its load) queued
+    assert [r.internal_id for r in st.pending_by_worker(exclude=9)["a"]] == ["r1", "r2"]
+    assert [r.internal_id for r in st.pending_by_worker(exclude=2)["a"]] == ["r1"]
+
+
+def test_load_prefers_the_index_then_the_cache_then_routing_stats() -> None:
+    st = state(load_max_age_s=10.0)
+    fresh = WorkerLoad(num_running=3)
+    stats = {"load": {"num_running": 7, "bogus": 1}}
+    cand = Candidate("a", routing_stats=stats)
+    assert st.load_for(cand, WorkerMatch(1, "a", 0, 0, fresh), now=0.0) == fresh
+    assert st.load_for(cand, None, now=5.0) == fresh  # cached from the index
+    assert st.load_for(cand, None, now=11.0) == WorkerLoad(num_running=7)  # too old: stats
+    assert st.load_for(Candidate("b", {"load": {"num_running": 1, "x": 2}}), None, 0.0) == \
+        WorkerLoad(num_running=1)
+    assert st.load_for(Candidate("b", {"load": "junk"}), None, now=0.0) is None
+    assert st.load_for(Candidate("b"), None, now=0.0) is None
+
+
+def test_sent_records_the_truth_and_asks_for_a_prediction() -> None:
+    st = compatible_state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    st.looked_up(lookup(a=2, b=0))
+    st.rank(1, ctx, ABC, lookup(a=2, b=0), now=0.0)
+    st.note_routed(1, "a", ctx, "r1", now=0.0)
+    # Serve sent it to b (a was full): the record moves, b gets the predicted entry.
+    assert st.sent(1, "b", "r1", now=0.1) == Prediction(A, 2, 0)
+    assert st.routed[1].worker == "b" and st.routed[1].start_block == 0
+    assert 1 not in st.contexts
+    assert st.sent(1, "b", "r1", now=0.2) is None  # already handled
+
+
+def test_no_prediction_when_unusable_unknown_or_fully_confirmed() -> None:
+    st = compatible_state()
+    st.looked_up(lookup(a=6))
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    ctx.confirmed = {"a": 6}
+    assert st.sent(1, "a", "r", now=0.0) is None  # the worker holds it all
+    st.context(2, TOKENS_A, None, now=0.0)
+    assert st.sent(2, "c", "r", now=0.0) is None  # no index worker id for c
+    st.context(3, TOKENS_A, None, now=0.0)
+    st.lookup_failed(now=0.0)
+    assert st.sent(3, "a", "r", now=0.5) is None  # in fail-open backoff
+
+
+def test_completed_drops_only_the_matching_record() -> None:
+    st = state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    st.note_routed(1, "a", ctx, "shared", now=0.0)
+    st.note_routed(2, "b", ctx, "shared", now=0.0)
+    st.completed("b", "shared")
+    assert set(st.routed) == {1}
+    st.completed("b", "shared")
+    st.completed("a", "other")
+    assert set(st.routed) == {1}
+
+
+def test_fail_open_gate_and_backoff() -> None:
+    st = state(failopen_backoff_s=1.0)
+    assert st.lookup_blocked(0.0) == "unchecked" and not st.usable(0.0)
+    st.check_workers([WorkerInfo(1, "a", 1, 32, "fp", "")], [], now=0.0)
+    assert st.lookup_blocked(0.0) == "incompatible"
+    st.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
+    assert st.lookup_blocked(0.0) is None and st.usable(0.0)
+    st.lookup_failed(now=10.0)
+    assert st.lookup_blocked(10.9) == "backoff" and not st.usable(10.9)
+    assert st.lookup_blocked(11.0) is None and st.usable(11.0)
+    assert not state(prefix_routing=False).usable(0.0)
+
+
+def test_check_adopts_the_fingerprint_and_reads_routing_stats() -> None:
+    st = state(fingerprint=None)
+    st.check_workers([], [Candidate("a", {"block_size": 16, "fingerprint": "fp2"})], now=0.0)
+    assert st.fingerprint == "fp2" and st.compatible
+    st.check_workers([], [Candidate("b", {"block_size": 8, "fingerprint": "fp2"})], now=1.0)
+    assert st.compatible is False  # a worker with another block size turns prefix routing off
+
+
+def test_check_is_not_adopting_among_several_fingerprints() -> None:
+    st = state(fingerprint=None)
+    workers = [WorkerInfo(1, "a", 1, 16, "x", ""), WorkerInfo(2, "b", 1, 16, "y", "")]
+    st.check_workers(workers, [], now=0.0)
+    assert st.fingerprint is None and st.compatible is False
+
+
+def test_check_schedule() -> None:
+    st = state(check_interval_s=30.0, failopen_backoff_s=1.0)
+    assert st.check_due(0.0) and not st.check_due(29.9) and st.check_due(30.0)
+    st.check_workers([], [], now=40.0)  # nobody registered yet: soon again
+    assert st.compatible is None and st.next_check == 41.0
+    st.check_postponed(now=50.0)
+    assert not st.check_due(50.5) and st.check_due(51.0)

@@ -1,0 +1,37 @@
+"""The attention backend interface: one layer's paged attention over the KV cache."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    """Paged prefill and decode for one layer, as the model calls it.
+
+    A backend may precompute what every layer of a step shares (index tensors, masks, a
+    kernel's plan) on the first call and keep it in `meta.backend_state`.
+    """
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """Store k/v [T, kvh, D] at `meta.slot_mapping`, attend q [T, H, D]; returns [T, H * D].
+
+        k_cache / v_cache are one layer's [num_blocks, block_size, kvh, D] views of the KV
+        tensor. A sequence with several new rows (a prefill chunk) attends causally over its
+        cached prefix and itself; one with a single new row (decode) over its whole context.
+        """

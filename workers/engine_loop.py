@@ -1,0 +1,216 @@
+"""The engine's one thread, and how its outputs reach the replica's async `generate` streams.
+
+The engine is not thread-safe, so one loop thread (:class:`EngineLoop`) owns it: it takes add /
+abort / call commands from a queue, steps the engine while work is pending, and hands each
+step's outputs to the waiting request's :class:`OutputStream` with
+``loop.call_soon_threadsafe``. An error in one request (bad input) fails that request only; an
+exception inside a step fails the requests that step ran and the loop goes on. On the consuming
+side, :func:`drain_steps` and :func:`merge_steps` turn a backlog of steps into one delta.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from workers.engine import LLMEngine
+from workers.engine_types import EngineStats, RequestOutput
+from workers.errors import StepFailedError
+from workers.sampling import SamplingParams
+
+log = logging.getLogger("ray.serve")
+
+
+@dataclass
+class OutputStream:
+    """Where the loop thread sends one request's outputs (a list per step, or an exception)."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    remaining: int  # samples not finished yet
+
+    def send(self, item: list[RequestOutput] | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+def drain_steps(
+    first: list[RequestOutput] | BaseException, pending: asyncio.Queue
+) -> tuple[list[list[RequestOutput]], BaseException | None]:
+    """``first`` and every step already queued behind it, up to an error (returned apart)."""
+    steps: list[list[RequestOutput]] = []
+    item = first
+    while True:
+        if isinstance(item, BaseException):
+            return steps, item
+        steps.append(item)
+        if pending.empty():
+            return steps, None
+        item = pending.get_nowait()
+
+
+def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
+    """One output per sample for several engine steps, tokens in order.
+
+    When the consumer falls behind (a loaded host), its queued steps go out as one delta: the
+    same tokens in fewer stream messages, as vLLM's output collector does, so per-message
+    overhead in Serve, the ingress and the client does not grow with the backlog.
+    """
+    merged: dict[int, RequestOutput] = {}
+    for step in steps:
+        for out in step:
+            prev = merged.get(out.index)
+            if prev is None:
+                merged[out.index] = replace(out, new_token_ids=list(out.new_token_ids))
+                continue
+            logprobs = None
+            if prev.new_logprobs is not None or out.new_logprobs is not None:
+                logprobs = [*(prev.new_logprobs or []), *(out.new_logprobs or [])]
+            merged[out.index] = replace(
+                out, new_token_ids=[*prev.new_token_ids, *out.new_token_ids],
+                new_logprobs=logprobs,
+            )
+    return list(merged.values())
+
+
+class EngineLoop(threading.Thread):
+    """The one thread that touches the engine."""
+
+    # Routers read a worker's load every second or two; a snapshot a tenth of a second old is
+    # fresh enough, and taking it (the queued backlog walks the waiting prompts' block hashes)
+    # stays off most steps.
+    def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.1) -> None:
+        super().__init__(name="prefixserve-engine", daemon=True)
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, OutputStream] = {}
+        self._stopping = threading.Event()
+        self._stats_interval_s = stats_interval_s
+        self._stats_at = 0.0
+        # Latest (stats, wall-clock time taken), replaced whole so other threads read it safely.
+        self.snapshot: tuple[EngineStats, float] = (engine.stats(), time.time())
+        self.error: BaseException | None = None  # set if the loop itself died
+
+    # Called from other threads -------------------------------------------------------
+
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+            cache_salt: str | None, stream: OutputStream) -> None:
+        self._commands.put(("add", request_id, prompt, params, cache_salt, stream))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run ``fn(engine)`` on the loop thread; await with ``asyncio.wrap_future``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, future))
+        return future
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopping.set()
+        self._commands.put(("stop",))
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout_s)
+
+    # The loop -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                busy = self.engine.has_unfinished()
+                self._drain(block=not busy)
+                if self.engine.has_unfinished():
+                    self._step()
+                self._refresh_stats(force=not self.engine.has_unfinished())
+        except BaseException as exc:  # a bug in the loop itself: fail loudly, answer everyone
+            self.error = exc
+            log.exception("engine loop died")
+            raise
+        finally:
+            self._fail_everyone(RuntimeError(f"engine loop stopped: {self.error!r}"))
+
+    def _fail_everyone(self, exc: Exception) -> None:
+        """Nobody will serve what is waiting: fail it instead of leaving callers hanging."""
+        for stream in self._streams.values():
+            stream.send(exc)
+        self._streams.clear()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                command[-1].send(exc)
+            elif command[0] == "call" and command[2].set_running_or_notify_cancel():
+                command[2].set_exception(exc)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt, params, salt, stream = command
+            try:
+                self.engine.add_request(request_id, prompt, params, salt)
+            except Exception as exc:  # InvalidRequestError, or anything the engine rejects
+                stream.send(exc)
+                return
+            self._streams[request_id] = stream
+        elif kind == "abort":
+            if self._streams.pop(command[1], None) is not None:
+                self.engine.abort(command[1])
+        elif kind == "call":
+            _, fn, future = command
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:
+                    future.set_exception(exc)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailedError as exc:
+            # The engine dropped the step's requests and published the rollback of the blocks
+            # it hashed; fail exactly those streams and keep serving the rest.
+            log.exception("engine step failed; failing %d requests", len(exc.request_ids))
+            for request_id in exc.request_ids:
+                stream = self._streams.pop(request_id, None)
+                if stream is not None:
+                    stream.send(RuntimeError(f"engine step failed: {exc.__cause__!r}"))
+            return
+        per_request: dict[str, list[RequestOutput]] = {}
+        for out in outputs:
+            per_request.setdefault(out.request_id, []).append(out)
+        for request_id, outs in per_request.items():
+            stream = self._streams.get(request_id)
+            if stream is None:  # aborted: its caller is gone
+                continue
+            stream.remaining -= sum(1 for o in outs if o.finished)
+            if stream.remaining <= 0:
+                del self._streams[request_id]
+            stream.send(outs)
+
+    def _refresh_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._stats_at >= self._stats_interval_s:
+            self.snapshot = (self.engine.stats(), time.time())
+            self._stats_at = now

@@ -1,0 +1,103 @@
+"""What goes into the engine (`EngineConfig`) and what comes out of it, per step and per
+`generate` call. Plain data with no torch, so Serve-side code can import it cheaply."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from router.blocks import DEFAULT_BLOCK_SIZE
+from router.request import TokenLogprob
+
+INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
+
+
+class EngineConfig(BaseModel):
+    """The engine section of the cluster config: one worker's engine, its KV pool and batching.
+
+    Fields marked ``internal`` are set by the replica, not by users (no CLI flag).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(
+        DEFAULT_BLOCK_SIZE, ge=1, le=1024, description="Tokens per KV block (and per hash)")
+    num_blocks: int | None = Field(
+        None, ge=1, description="KV blocks per worker (exact); else from kv_cache_memory_bytes")
+    kv_cache_memory_bytes: int | None = Field(
+        None, ge=1, description="KV budget per worker; default 256 MiB on CPU, 80% of free GPU")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences batched per engine step")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="Tokens per engine step (long prefills are chunked)")
+    max_model_len: int | None = Field(
+        None, ge=2, description="Context length (prompt + output); default: the model's")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU")
+    enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+    device: str = Field(
+        "auto", description="auto | cpu | cuda | cuda:N; auto: the GPU Ray assigned, else CPU",
+        json_schema_extra=INTERNAL)
+    model_fingerprint: str | None = Field(
+        None, description="Default: derived from the checkpoint files", json_schema_extra=INTERNAL)
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> EngineConfig:
+        if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("set num_blocks or kv_cache_memory_bytes, not both")
+        return self
+
+    def dtype_for(self, device_type: str) -> str:
+        """The concrete dtype on a device: bf16 matmuls are ~40x slower than fp32 on CPUs
+        without AVX-512/AMX, so auto means float32 there."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if device_type == "cuda" else "float32"
+
+
+@dataclass
+class RequestOutput:
+    """New tokens of one sample of a request in one step."""
+
+    request_id: str
+    index: int  # which of the n samples (0..n-1)
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_queried: int  # cumulative, in tokens (vLLM style)
+    prompt_tokens_hit: int
+    kv_usage: float  # 0..1 of blocks in use
+    num_running: int
+    num_waiting: int
+    queued_prefill_tokens: int  # prompt tokens not yet prefilled
+    prefill_tokens_per_s: float  # measured, smoothed
+    decode_tokens_per_s: float
+    num_free_blocks: int
+    num_total_blocks: int
+    num_preemptions: int = 0
+
+
+@dataclass
+class SampleOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None
+
+
+@dataclass
+class GenerateOutput:
+    """One prompt's result from :meth:`LLMEngine.generate`: its ``n`` samples in index order."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    samples: list[SampleOutput]

@@ -1,0 +1,173 @@
+"""Llama-family causal LM (Llama, Mistral, Qwen2): RMSNorm, RoPE, GQA/MQA, SwiGLU.
+
+Mistral and Qwen2 differ from Llama only in their configs (see `workers.models.registry`). q/k/v
+and gate/up are fused into one matmul each (`weight_map` sends the checkpoint's separate tensors
+to row slices), RoPE is applied to q and k in one op, and attention goes through the paged KV
+cache with the backend chosen for the model's device (`workers.attention.registry`). Only the
+rows in `meta.logits_indices` reach the final norm and the LM head.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention.registry import backend_for
+from workers.models.base import CausalLM, WeightSlot, to_dtype
+from workers.models.layers import RMSNorm, apply_rope, interleave_rope_rows, rope_inv_freq
+
+if TYPE_CHECKING:
+    from workers.attention.base import AttentionBackend
+    from workers.attention.metadata import AttentionMetadata
+    from workers.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, width, bias=c.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False, dtype=dtype)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cis: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        h, kvh = self.heads, self.kv_heads
+        qk = apply_rope(qkv[:, : h + kvh], cis)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
+        return self.o_proj(backend.forward(q, k, v, k_cache, v_cache, meta, self.scale))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(
+            c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype
+        )
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))  # in place: one less big allocation
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = Attention(c, dtype)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = MLP(c, dtype)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cis: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        # Residual adds land in the sublayer's fresh output instead of a new tensor.
+        attn = self.self_attn(self.input_layernorm(x), cis, meta, k_cache, v_cache, backend)
+        x = attn.add_(x)
+        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+
+
+class LlamaForCausalLM(CausalLM):
+    def __init__(self, config: ModelConfig, dtype: str | torch.dtype = torch.float32):
+        super().__init__()
+        dtype = to_dtype(dtype)
+        self.config = config
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
+        self.inv_freq = torch.empty(0)
+        self.finish_init()
+
+    def finish_init(self) -> None:
+        """Tie embeddings, pick the attention backend and compute RoPE frequencies for the
+        parameters' device."""
+        device = self.embed_tokens.weight.device
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.attention = backend_for(device)
+        if device.type != "meta":
+            self.inv_freq = rope_inv_freq(self.config).to(device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run the step's T flat tokens; logits [len(logits_indices), vocab] in float32."""
+        x = self.embed_tokens(input_ids)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        cis = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cis, meta, kv_cache[i, 0], kv_cache[i, 1], self.attention)
+        x = self.norm(x.index_select(0, meta.logits_indices))
+        return self.lm_head(x).float()
+
+    def weight_map(self) -> dict[str, WeightSlot]:
+        """HF names -> our parameters; q/k/v and gate/up land in row slices of the fused ones,
+        q/k rows reordered for `apply_rope`."""
+        c = self.config
+        q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        qkv_rows = {"q": slice(0, q), "k": slice(q, q + kv), "v": slice(q + kv, q + 2 * kv)}
+        inter = c.intermediate_size
+        gate_up = {"gate": slice(0, inter), "up": slice(inter, 2 * inter)}
+        rope_rows = partial(interleave_rope_rows, head_dim=c.head_dim)
+        out = {
+            "model.embed_tokens.weight": WeightSlot(self.embed_tokens.weight),
+            "model.norm.weight": WeightSlot(self.norm.weight),
+        }
+        if not c.tie_word_embeddings:
+            out["lm_head.weight"] = WeightSlot(self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            out[p + "input_layernorm.weight"] = WeightSlot(layer.input_layernorm.weight)
+            out[p + "post_attention_layernorm.weight"] = WeightSlot(
+                layer.post_attention_layernorm.weight
+            )
+            out[p + "self_attn.o_proj.weight"] = WeightSlot(attn.o_proj.weight)
+            out[p + "mlp.down_proj.weight"] = WeightSlot(layer.mlp.down_proj.weight)
+            for n, rows in qkv_rows.items():
+                prepare = rope_rows if n in ("q", "k") else None
+                out[p + f"self_attn.{n}_proj.weight"] = WeightSlot(
+                    attn.qkv_proj.weight, rows, prepare
+                )
+                if c.attention_bias:
+                    out[p + f"self_attn.{n}_proj.bias"] = WeightSlot(
+                        attn.qkv_proj.bias, rows, prepare
+                    )
+            for n, rows in gate_up.items():
+                out[p + f"mlp.{n}_proj.weight"] = WeightSlot(layer.mlp.gate_up_proj.weight, rows)
+        return out

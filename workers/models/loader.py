@@ -1,0 +1,86 @@
+"""Load a checkpoint into its model class: a Hugging Face directory or a GGUF file.
+
+Both sources are read as one stream of `(HF name, tensor)` pairs — safetensors files (single or
+sharded) as they are, GGUF dequantized by `workers.gguf` — and each tensor goes straight into the
+slot the model's `weight_map` names (for Llama, row slices of its fused q/k/v and gate/up
+projections), so no second copy of the model is built. The registry picks the model class from
+the config's architecture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from workers.checkpoints import is_gguf, weight_files
+from workers.errors import UnsupportedModelError
+from workers.gguf import GGUFFile
+from workers.models.base import CausalLM, to_dtype
+from workers.models.config import ModelConfig, load_model_config
+from workers.models.registry import get_architecture
+
+WeightStream = Iterator[tuple[str, torch.Tensor]]
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def safetensors_weights(path: str | Path) -> WeightStream:
+    """Every tensor of a safetensors checkpoint, one file open at a time."""
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                yield name, f.get_tensor(name)
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+) -> CausalLM:
+    """Build the model on `device` in `dtype` and fill it from the checkpoint at `path`."""
+    if is_gguf(path):
+        gguf = GGUFFile(path)
+        return build_model(gguf.config, gguf.iter_tensors(), dtype, device, path)
+    return build_model(load_model_config(path), safetensors_weights(path), dtype, device, path)
+
+
+def build_model(
+    config: ModelConfig,
+    weights: WeightStream,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    source: str | Path = "checkpoint",
+) -> CausalLM:
+    """The model filled from a stream of HF-named tensors; every slot must be given."""
+    dtype = to_dtype(dtype)
+    model_class = get_architecture(config.architecture).model_class()
+    with torch.device("meta"):
+        model = model_class(config, dtype=dtype)
+    model.to_empty(device=resolve_device(device))
+    model.finish_init()
+    slots = model.weight_map()
+    filled: set[str] = set()
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name not in slots:
+            raise UnsupportedModelError(f"unexpected weight {name!r} in {source}")
+        slot = slots[name]
+        if slot.prepare is not None:
+            tensor = slot.prepare(tensor)
+        dst = slot.param.data if slot.rows is None else slot.param.data[slot.rows]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        filled.add(name)
+    missing = sorted(set(slots) - filled)
+    if missing:
+        raise ValueError(f"{source} lacks weights: {', '.join(missing[:5])}")
+    return model.eval()
