@@ -7,6 +7,10 @@ and Redis memory per (block, worker) entry. Prints a table with the targets.
 
     .venv/bin/python -m bench.index_bench                  # full size: 1,000,000 blocks
     .venv/bin/python -m bench.index_bench --blocks 100000  # scaled down
+    .venv/bin/python -m bench.index_bench --only-predict   # predicted entries' memory only
+
+It also measures the Redis memory that routing-time predicted entries take under a long-prompt
+load (``--predict-prompts`` routed prompts of ``--predict-tokens`` tokens, none cached yet).
 
 Latencies are end to end through redis-py's asyncio client over loopback, with the client and
 the server on the same machine. On a small shared host (the dev box has 2 cores shared by
@@ -28,6 +32,8 @@ import redis
 from cluster.local_redis import LocalRedis
 from router.events import BlockRemoved, BlockStored, EventBatch
 from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
+
+BLOCK_SIZE = 16
 
 TARGETS = {
     "lookup_p99_128_ms": 1.0,
@@ -113,14 +119,40 @@ async def apply_throughput(index: PrefixIndex, ids: list[int], seqs: dict[int, i
     return events / (time.perf_counter() - start), events
 
 
+async def predict_memory(index: PrefixIndex, raw: redis.Redis, ids: list[int], prompts: int,
+                         tokens: int, rng: random.Random) -> tuple[int, float]:
+    """Redis memory (bytes) that ``prompts`` predictions of distinct uncached ``tokens``-token
+    prompts take, and the seconds they took to write."""
+    blocks = tokens // BLOCK_SIZE
+    raw.execute_command("MEMORY", "PURGE")
+    before = raw.info("memory")["used_memory"]
+    start = time.perf_counter()
+    for chain in random_chains(prompts * blocks, blocks):
+        await index.predict(chain, rng.choice(ids))
+    elapsed = time.perf_counter() - start
+    return raw.info("memory")["used_memory"] - before, elapsed
+
+
 async def main(args: argparse.Namespace) -> None:
     rng = random.Random(args.seed)
     with LocalRedis() as server:
         raw = redis.Redis.from_url(server.url)
-        index = open_index(server.url, "bench", deadline_s=5.0,
-                           settings=IndexSettings(lease_ttl_s=3600, admin_deadline_s=30.0))
-        ids = [await index.register(f"replica-{i}", epoch=1, block_size=16, fingerprint="fp")
+        # Predictions live long enough to be measured however slowly they are written.
+        settings = IndexSettings(lease_ttl_s=3600, admin_deadline_s=30.0, predict_ttl_s=600)
+        index = open_index(server.url, "bench", deadline_s=5.0, settings=settings)
+        ids = [await index.register(f"replica-{i}", epoch=1, block_size=BLOCK_SIZE,
+                                    fingerprint="fp")
                for i in range(args.workers)]
+        if args.predict_prompts:
+            used, took = await predict_memory(index, raw, ids, args.predict_prompts,
+                                              args.predict_tokens, rng)
+            print(f"predicted {args.predict_prompts} uncached {args.predict_tokens:,}-token "
+                  f"prompts ({args.predict_tokens // BLOCK_SIZE:,} blocks each) in {took:.2f} s: "
+                  f"redis used_memory +{used:,} B ({used / args.predict_prompts:,.0f} B per "
+                  f"prediction)")
+        if args.only_predict:
+            await index.close()
+            return
         chains = random_chains(args.blocks, args.chain_len)
         mem_before = raw.info("memory")["used_memory"]
         entries, fill_s, seqs = await fill(index, ids, chains, rng, args.concurrency)
@@ -182,6 +214,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--apply-seconds", type=float, default=5.0)
     p.add_argument("--concurrency", type=int, default=8, help="concurrent appliers")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--predict-prompts", type=int, default=100,
+                   help="routed long prompts whose predicted entries' memory is measured (0: skip)")
+    p.add_argument("--predict-tokens", type=int, default=32768, help="tokens per such prompt")
+    p.add_argument("--only-predict", action="store_true",
+                   help="measure the predicted entries' memory only (no fill, lookups, applies)")
     return p.parse_args()
 
 

@@ -26,7 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from cluster.api import OpenAIIngress
-from cluster.config import ClusterConfig
+from cluster.config import API_KEYS_ENV, ClusterConfig
 from cluster.guard import GuardSettings
 from router.index import IndexSettings
 from router.router_state import RouterSettings
@@ -42,7 +42,7 @@ def build_app(config: ClusterConfig) -> Application:
     model_path = config.model_path()  # converts a GGUF here first, so replicas find it done
     model_name = config.model_name()
     # Baselines run without the index, so they pay none of its costs.
-    redis_url = config.redis_url if config.needs_index else None
+    redis_url = config.deployable_redis_url()
     router = config.router.model_copy(update={
         "model": model_name,
         "block_size": config.engine.block_size,
@@ -101,5 +101,14 @@ def serve_logging(config: ClusterConfig) -> LoggingConfig:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Serve's application builder: `args` are ClusterConfig fields (strings are coerced)."""
+    """Serve's application builder: `args` are ClusterConfig fields (strings are coerced).
+
+    Serve keeps these args in its config (dashboard, REST API), so API keys may only be named
+    by file here (or set in PREFIXSERVE_API_KEYS), and a Redis password only by reference.
+    """
+    for key in ("api_keys", "api-keys"):
+        keys = args.get(key)
+        if keys is not None and (not isinstance(keys, str) or keys.lstrip()[:1] in ("{", "[")):
+            raise ValueError(f"{key} in application args would be stored in Serve's config: give "
+                             f"a JSON file's path, or set {API_KEYS_ENV}")
     return build_app(ClusterConfig.model_validate(dict(args)))

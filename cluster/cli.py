@@ -25,6 +25,7 @@ from cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
 from router.index import IndexUnavailable
 from router.redis_index import check_redis
 from router.routing_policies import ROUTING_POLICIES
+from router.secret_refs import SecretNotFound, is_reference, resolve, url_has_secret
 
 APP_NAME = "prefixserve"
 
@@ -120,14 +121,21 @@ def serve_command(args: argparse.Namespace) -> int:
             config = ClusterConfig.model_validate(fields)
         except ValidationError as exc:
             return _fail(invalid_config_message(exc))
+        url = config.redis_url
+        if url and not args.address and not is_reference(url) and url_has_secret(url):
+            os.environ[REDIS_URL_ENV] = url  # a local Ray's replicas inherit it, args stay clean
+        try:
+            config.deployable_redis_url()
+        except ValueError as exc:
+            return _fail(str(exc))
         try:  # a bad checkpoint stops here, before Ray starts, not in a replica's constructor
             config.model_path()
         except (ValueError, OSError) as exc:
             return _fail(f"cannot serve --model {config.model}: {exc}")
         if config.needs_index and config.redis_url and redis is None:
             try:
-                asyncio.run(check_redis(config.redis_url))
-            except IndexUnavailable as exc:
+                asyncio.run(check_redis(resolve(config.redis_url)))
+            except (IndexUnavailable, SecretNotFound) as exc:
                 return _fail(f"{exc}\n  (the prefix index needs it; or use --policy pow2)")
         return _run(config, args)
     finally:

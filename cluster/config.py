@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from router.index import REDIS_URL_ENV, IndexSettings
 from router.router_state import RouterSettings
 from router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
+from router.secret_refs import env_reference, is_reference, url_has_secret
 from workers.checkpoints import (
     BUILTIN_MODEL_NAME,
     DEFAULT_MODEL,
@@ -174,8 +175,9 @@ class ClusterConfig(BaseModel):
         "choices; round_robin")
     redis_url: str | None = Field(
         default_factory=_redis_url_from_env,
-        description=f"Redis of the prefix index (redis://, rediss://, unix://); env {REDIS_URL_ENV}"
-        "; `prefixserve serve` starts a private one when unset")
+        description=f"Redis of the prefix index (redis://, rediss://, unix://), or a reference to "
+        f"it (env:NAME, file:/path: a URL with a password must be one); env {REDIS_URL_ENV}; "
+        "`prefixserve serve` starts a private one when unset")
 
     # --- serving ---------------------------------------------------------------------------
     host: str = Field("127.0.0.1", min_length=1, description="HTTP listen address")
@@ -210,8 +212,11 @@ class ClusterConfig(BaseModel):
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(REDIS_SCHEMES):
-            raise ValueError(f"must start with one of {', '.join(REDIS_SCHEMES)}")
+        if value is None or is_reference(value):  # resolved where it is used
+            return value
+        if not value.startswith(REDIS_SCHEMES):
+            raise ValueError(f"must start with one of {', '.join(REDIS_SCHEMES)}, or be a "
+                             "reference: env:NAME or file:/path")
         return value
 
     @model_validator(mode="after")
@@ -228,6 +233,25 @@ class ClusterConfig(BaseModel):
     @property
     def needs_index(self) -> bool:
         return ROUTING_POLICIES[self.policy].needs_index
+
+    def deployable_redis_url(self) -> str | None:
+        """The index URL as deployments may hold it: never with a password in it.
+
+        Serve shows deployment arguments (dashboard, REST API), so a password-bearing URL goes
+        as a reference: ``env:PREFIXSERVE_REDIS_URL`` when it came from that variable (the
+        replicas of a local Ray inherit it; set it on every node otherwise), else the user must
+        pass ``env:NAME`` or ``file:/path`` themselves.
+        """
+        url = self.redis_url if self.needs_index else None
+        if url is None or is_reference(url) or not url_has_secret(url):
+            return url
+        if os.environ.get(REDIS_URL_ENV) == url:
+            return env_reference(REDIS_URL_ENV)
+        raise ValueError(
+            f"redis_url carries a password: pass it by reference so it never enters Serve's "
+            f"deployment config: set {REDIS_URL_ENV} on every node, or redis_url=env:NAME / "
+            "file:/path"
+        )
 
     def model_path(self) -> Path:
         """The checkpoint directory in this process (built-in written, GGUF converted, once)."""

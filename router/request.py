@@ -16,6 +16,7 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     cache_salt: str | None = None  # already derived server-side (tenant); None = no salt
+    tenant: str | None = None  # whose fair share of a worker's queue; None: one shared tenant
 
 
 @dataclass

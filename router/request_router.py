@@ -48,6 +48,7 @@ from ray.util import metrics
 from router.index import REDIS_URL_ENV, IndexSettings, LookupResult, PrefixIndex, open_index
 from router.request import GenerateRequest
 from router.router_state import Candidate, Prediction, RouterSettings, RouterState
+from router.secret_refs import SecretNotFound, resolve
 from router.serve_compat import (
     PendingRequest,
     ReplicaID,
@@ -83,14 +84,15 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         """Called by Serve with ``request_router_kwargs``.
 
         Args:
-            redis_url: the prefix index (``redis://`` / ``rediss://``, password in the URL);
-                None falls back to ``$PREFIXSERVE_REDIS_URL`` (how Serve config files and
-                KubeRay pass a password-bearing URL), and routes by load only without either.
+            redis_url: the prefix index (``redis://`` / ``rediss://``) or a reference to it
+                (``env:NAME``, ``file:/path``: how a password-bearing URL travels, see
+                ``router.secret_refs``); None falls back to ``$PREFIXSERVE_REDIS_URL``. Without
+                either, or when the reference cannot be resolved here, it routes by load only.
             settings: the router section of the cluster config
                 (``router.router_state.RouterSettings`` fields, model and block size included).
             index: the index section (``router.index.IndexSettings`` fields).
         """
-        self._index_url = redis_url or os.environ.get(REDIS_URL_ENV) or None
+        self._index_url = _index_url(redis_url)
         self._index_settings = IndexSettings.model_validate(index or {})
         self._state = RouterState(RouterSettings.model_validate(settings or {}),
                                   self._index_settings)
@@ -311,3 +313,12 @@ def _generate_request(pr: PendingRequest | None) -> GenerateRequest | None:
         if isinstance(arg, GenerateRequest):
             return arg
     return None
+
+
+def _index_url(configured: str | None) -> str | None:
+    """The index URL in this process; an unresolvable reference turns prefix routing off."""
+    try:
+        return resolve(configured) if configured else os.environ.get(REDIS_URL_ENV) or None
+    except SecretNotFound as exc:
+        logger.error("prefix index off: redis_url %s: %s", configured, exc)
+        return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -19,11 +20,11 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import TlsRedis
+from conftest import TLS_PASSWORD, TlsRedis
 from ray import serve
 from servekit import serve_app
 
-from cluster.config import ClusterConfig
+from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.local_redis import free_port
 from router.blocks import hash_chain, namespace
 from router.redis_index import RedisPrefixIndex, key_tag
@@ -48,14 +49,24 @@ def redis_url(tls_redis: TlsRedis) -> str:
 
 @pytest.fixture(scope="module")
 def base_url(redis_url: str) -> Iterator[str]:
+    # As `prefixserve serve` does with a local Ray: the password-bearing URL reaches the
+    # replicas through the environment they inherit, and deployments get only a reference.
+    previous = os.environ.get(REDIS_URL_ENV)
+    os.environ[REDIS_URL_ENV] = redis_url
     config = ClusterConfig(
         model=BUILTIN_MODEL_NAME,
         redis_url=redis_url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=NUM_BLOCKS, max_model_len=1024, max_num_seqs=16, api_keys=KEYS,
         max_queued_requests=MAX_IN_FLIGHT, max_request_bytes=MAX_BODY,
     )
-    with serve_app(config, APP, headers=A) as url:
-        yield url
+    try:
+        with serve_app(config, APP, headers=A) as url:
+            yield url
+    finally:
+        if previous is None:
+            os.environ.pop(REDIS_URL_ENV, None)
+        else:
+            os.environ[REDIS_URL_ENV] = previous
 
 
 def complete(url: str, headers: dict[str, str], body: dict, **kw) -> httpx.Response:
@@ -145,6 +156,18 @@ def test_the_index_is_reached_over_tls_with_the_password(base_url: str, redis_ur
     assert stats["index_synced"] and stats["publisher"]["batches"] > 0, stats
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(tls_redis.plaintext_url, socket_timeout=2).ping()
+
+
+def test_no_secret_in_serves_config(base_url: str, redis_url: str) -> None:
+    """What Ray's Serve API shows of the application (deployment args, router kwargs) holds
+    neither the Redis password nor any API key; the index is still in use (above)."""
+    from ray.serve.context import _get_global_client
+
+    details = json.dumps(_get_global_client().get_serve_details(), default=str)
+    assert APP in details and "request_router_kwargs" in details
+    assert f"env:{REDIS_URL_ENV}" in details
+    for secret in (TLS_PASSWORD, *KEYS):
+        assert secret not in details, secret
 
 
 @pytest.mark.parametrize("wrong", ["password", "scheme", "no_password"])

@@ -10,8 +10,13 @@ Index. When a Redis URL is given the replica registers (Serve replica id, a fres
 epoch, block size, model fingerprint, node) and runs an ``EventPublisher`` that ships the
 engine's KV events, keeps the lease with heartbeats carrying the engine-reported load, and
 resyncs the full block set after an outage. Redis being down never stops serving, and
-``check_health`` never touches it. ``__del__`` (Serve's graceful shutdown hook) stops the loop
-and deregisters.
+``check_health`` never touches it.
+
+Health and shutdown. ``check_health`` fails when the engine loop has died or one round of work
+(a step) has run for ``stall_timeout_s``: a hung step would otherwise hold every request on this
+replica while Serve kept routing to it. ``__del__`` (Serve's graceful shutdown hook) drains:
+in-flight streams get up to ``drain_timeout_s`` to finish, the rest are aborted (their blocks
+freed, their streams ended with "abort"), then the loop stops and the replica deregisters.
 
 Metrics. Prefix-cache, KV-usage, queue, TTFT and inter-token series: `workers.worker_metrics`.
 
@@ -22,6 +27,7 @@ this class with ``serve.deployment``; :func:`worker_deployment` is the usual way
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -39,6 +45,7 @@ from router.events import KVEvent, WorkerLoad
 from router.index import IndexSettings, open_index
 from router.publisher import EventPublisher
 from router.request import GenerateRequest, TokenDelta
+from router.secret_refs import resolve
 from workers.checkpoints import resolve_checkpoint
 from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
@@ -50,6 +57,11 @@ from workers.worker_metrics import WorkerMetrics
 log = logging.getLogger("ray.serve")
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+
+DRAIN_TIMEOUT_S = 30.0  # ClusterConfig.graceful_shutdown_timeout_s's default
+STALL_TIMEOUT_S = 60.0  # far above any one step's time, even a long CPU prefill
+DEREGISTER_TIMEOUT_S = 2.0
+ABORT_GRACE_S = 1.0  # for aborted streams' consumers to take their final "abort" delta
 
 
 def sampling_params(sampling: dict[str, Any]) -> SamplingParams:
@@ -117,31 +129,46 @@ class LLMWorker:
         stream_interval: int,
         index: IndexSettings | dict[str, Any] | None = None,
         heartbeat_interval_s: float = 1.0,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         """
         Args:
             model: what `--model` names (`workers.checkpoints`), resolved on this node.
             engine: the engine section (``workers.engine_types.EngineConfig``, or its fields);
                 ``device`` ``auto`` is the GPU Ray assigned, else CPU.
-            redis_url: the prefix index; None serves without publishing.
+            redis_url: the prefix index, or a reference to it (``env:NAME``, ``file:/path``,
+                resolved here); None serves without publishing.
             model_name: served model name: the index keyspace, shared with the router.
             index: the index section (``router.index.IndexSettings``): lease, deadlines.
             heartbeat_interval_s: how often load is reported and the lease renewed.
             stream_interval: engine steps per streamed delta after the first token (SGLang's
                 ``--stream-interval``): fewer messages through Serve, the ingress and the
                 client for the same tokens; the first token always goes out at once.
+            drain_timeout_s: how long a stopping replica lets in-flight streams finish before
+                aborting them: the deployment's ``graceful_shutdown_timeout_s``.
+            stall_timeout_s: how long one round of engine work may run before the health check
+                fails and Serve restarts the replica.
         """
         if stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
+        if drain_timeout_s < 0 or stall_timeout_s <= 0:
+            raise ValueError("drain_timeout_s must be >= 0 and stall_timeout_s > 0")
         self.replica_id = _replica_id()
         self.model_name = model_name
         self._stream_interval = stream_interval
         self._ids = itertools.count()
         self._closed = False
+        self._drain_timeout_s = drain_timeout_s
+        self._stall_timeout_s = stall_timeout_s
+        self._inflight: set[str] = set()  # generate calls whose stream has not ended
+        self._drained = asyncio.Event()  # set while nothing is in flight
+        self._drained.set()
         self._publisher: EventPublisher | None = None
         self._tasks: list[asyncio.Task] = []
         self.epoch = time.time_ns() // 1000  # microseconds: a restart always gets a larger one
 
+        index_url = resolve(redis_url) if redis_url else None  # fails before loading anything
         config = EngineConfig.model_validate(engine)
         config = config.model_copy(update={"device": _device(config.device)})
         index = IndexSettings.model_validate(index or {})
@@ -155,9 +182,9 @@ class LLMWorker:
         self._loop_thread.start()
         self._metrics = WorkerMetrics(self.replica_id, self.model_name)
         self._tasks.append(self._loop.create_task(self._metrics_loop()))
-        if redis_url:
+        if index_url:
             self._publisher = EventPublisher(
-                open_index(redis_url, model_name, deadline_s=index.publish_deadline_s,
+                open_index(index_url, model_name, deadline_s=index.publish_deadline_s,
                            settings=index),
                 replica_id=self.replica_id,
                 epoch=self.epoch,
@@ -175,7 +202,7 @@ class LLMWorker:
         log.info(
             "LLMWorker %s ready: model %r on %s, block_size=%d fingerprint=%s index=%s",
             self.replica_id, model_name, config.device, self.block_size, self.fingerprint,
-            "on" if redis_url else "off",
+            "on" if index_url else "off",
         )
 
     # ---------------------------------------------------------------------------- serving
@@ -189,13 +216,18 @@ class LLMWorker:
         """
         params = sampling_params(request.sampling or {})
         self._require_loop()
+        if self._closed:
+            raise RuntimeError(f"worker {self.replica_id} is shutting down")
         request_id = f"{request.request_id}#{next(self._ids)}"
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         start = time.perf_counter()
         last: float | None = None
         finished = 0
+        self._inflight.add(request_id)
+        self._drained.clear()
         self._loop_thread.add(
-            request_id, list(request.prompt_token_ids), params, request.cache_salt, stream
+            request_id, list(request.prompt_token_ids), params, request.cache_salt, stream,
+            request.tenant,
         )
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:
@@ -231,6 +263,9 @@ class LLMWorker:
         finally:
             if finished < params.n:
                 self._loop_thread.abort(request_id)
+            self._inflight.discard(request_id)
+            if not self._inflight:
+                self._drained.set()
 
     async def stats(self, target_worker: str | None = None) -> dict[str, Any]:
         """Fresh engine stats (taken on the loop thread) plus this worker's identity.
@@ -251,6 +286,7 @@ class LLMWorker:
             "publisher": asdict(self._publisher.stats) if self._publisher else None,
             "index_synced": bool(self._publisher and not self._publisher.dirty),
             "rss_bytes": _rss_bytes(),
+            "max_model_len": self.engine.max_model_len,
         }
 
     async def cached_block_hashes(self, target_worker: str | None = None) -> list[bytes]:
@@ -298,8 +334,14 @@ class LLMWorker:
         }
 
     async def check_health(self) -> None:
-        """Healthy while the engine loop runs. Never depends on Redis."""
+        """Healthy while the engine loop runs and comes round: a step stuck for
+        ``stall_timeout_s`` fails it, so Serve replaces a replica that holds its requests
+        forever. Never depends on Redis."""
         self._require_loop()
+        stalled = self._loop_thread.stalled_s()
+        if stalled > self._stall_timeout_s:
+            raise RuntimeError(
+                f"engine loop stuck for {stalled:.1f} s (limit {self._stall_timeout_s:g} s)")
 
     # ------------------------------------------------------------------------------ index
 
@@ -324,19 +366,40 @@ class LLMWorker:
 
     # --------------------------------------------------------------------------- shutdown
 
-    async def shutdown(self, timeout_s: float = 2.0) -> None:
-        """Stop serving: stop the engine loop and background tasks, deregister. Idempotent."""
+    async def shutdown(self, timeout_s: float | None = None) -> None:
+        """Stop serving: refuse new requests, let in-flight streams finish for up to
+        ``timeout_s`` (default ``drain_timeout_s``), abort the rest, then stop the engine loop
+        and background tasks and deregister. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        await self._drain(self._drain_timeout_s if timeout_s is None else timeout_s)
         self._loop_thread.stop()
         for task in self._tasks:
             task.cancel()
         if self._publisher is not None:
             try:
-                await asyncio.wait_for(self._publisher.close(deregister=True), timeout_s)
+                await asyncio.wait_for(self._publisher.close(deregister=True),
+                                       DEREGISTER_TIMEOUT_S)
             except Exception as exc:
                 log.warning("deregistration failed (%r); the lease will expire", exc)
+
+    async def _drain(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for in-flight streams to end; abort the rest (blocks freed
+        at once, each stream's last delta says "abort") rather than leave them to be cut off
+        when the process goes."""
+        if not self._inflight or not self._loop_thread.is_alive():
+            return
+        log.info("draining %d in-flight requests for up to %g s", len(self._inflight), timeout_s)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            return
+        log.warning("aborting %d requests still in flight after %g s", len(self._inflight),
+                    timeout_s)
+        for request_id in self._inflight:
+            self._loop_thread.abort(request_id, notify=True)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), ABORT_GRACE_S)
 
     def __del__(self) -> Any:
         """Serve's graceful-shutdown hook: Serve awaits the coroutine returned here.

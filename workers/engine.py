@@ -53,6 +53,33 @@ class _Request:
     num_done: int = 0
 
 
+def fit_max_model_len(
+    configured: int | None, model_len: int, num_blocks: int, block_size: int
+) -> int:
+    """The context the engine serves: no sequence may outgrow the whole KV pool.
+
+    A configured ``max_model_len`` the pool cannot hold is refused at start-up (as vLLM does),
+    so no request is accepted that could never finish; the unconfigured default (the model's
+    context) is capped to the pool instead, so a zero-config start on a small CPU pool works.
+    """
+    pool_tokens = num_blocks * block_size
+    if configured is None:
+        if model_len > pool_tokens:
+            log.warning(
+                "max_model_len capped to %d tokens, what the KV cache holds (%d blocks of %d); "
+                "the model's context is %d: raise kv_cache_memory_bytes or num_blocks to serve it",
+                pool_tokens, num_blocks, block_size, model_len,
+            )
+        return min(model_len, pool_tokens)
+    if cdiv(configured, block_size) > num_blocks:
+        raise ValueError(
+            f"max_model_len {configured} needs {cdiv(configured, block_size)} KV blocks of "
+            f"{block_size} tokens, but the KV cache has {num_blocks} ({pool_tokens} tokens): "
+            "raise kv_cache_memory_bytes or num_blocks, or lower max_model_len"
+        )
+    return configured
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -69,10 +96,9 @@ class LLMEngine:
         self.model_fingerprint = model_fingerprint
         self.vocab_size = mc.vocab_size
         self.eos_token_ids: tuple[int, ...] = tuple(mc.eos_token_ids)
-        self.max_model_len = config.max_model_len or mc.max_model_len
-        if self.max_model_len > mc.max_model_len:
+        if config.max_model_len is not None and config.max_model_len > mc.max_model_len:
             raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's {mc.max_model_len}"
+                f"max_model_len {config.max_model_len} exceeds the model's {mc.max_model_len}"
             )
         self.on_kv_events = on_kv_events
         device = next(model.parameters()).device
@@ -80,6 +106,9 @@ class LLMEngine:
         per_token = kv_bytes_per_token(mc, self.dtype)
         num_blocks = config.num_blocks or blocks_for_budget(
             config.kv_cache_memory_bytes, per_token, config.block_size, device
+        )
+        self.max_model_len = fit_max_model_len(
+            config.max_model_len, mc.max_model_len, num_blocks, config.block_size
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
@@ -140,8 +169,12 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError (and changes nothing) on bad input."""
+        """Queue a request; raises InvalidRequestError (and changes nothing) on bad input.
+
+        ``tenant`` is whose fair share of the batch the request uses (see workers.scheduler).
+        """
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         if not isinstance(sampling_params, SamplingParams):
@@ -149,26 +182,26 @@ class LLMEngine:
         sampling_params.validate()
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string or None")
+        if tenant is not None and not isinstance(tenant, str):
+            raise InvalidRequestError("tenant must be a string or None")
         try:
             prompt = [operator.index(t) for t in prompt_token_ids]
         except TypeError:
             raise InvalidRequestError("prompt token ids must be integers") from None
         if not prompt:
             raise InvalidRequestError("prompt is empty")
+        # max_model_len never exceeds the KV pool (fit_max_model_len), so this check also
+        # refuses every prompt the pool could not hold
         if len(prompt) >= self.max_model_len:
             raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} "
-                "tokens, including at least 1 to generate"
+                f"prompt has {len(prompt)} tokens; this worker's context (max_model_len, at "
+                f"most what its KV cache holds) is {self.max_model_len} tokens, including at "
+                "least 1 to generate"
             )
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        if cdiv(len(prompt) + 1, self.block_size) > self.kv.num_total_blocks:
-            raise InvalidRequestError(
-                f"prompt of {len(prompt)} tokens cannot fit in the KV cache "
-                f"({self.kv.num_total_blocks * self.block_size} tokens)"
             )
         stop = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
@@ -184,6 +217,7 @@ class LLMEngine:
             num_prompt_tokens=len(prompt),
             params=sampling_params,
             hasher=hasher,
+            tenant=tenant,
         )
         seq.extra["gen"] = make_generator(sampling_params, 0, self.kv_cache.device)
         req.seqs.append(seq)
@@ -305,6 +339,7 @@ class LLMEngine:
                 num_cached_tokens=parent.num_cached_tokens,
                 status=SeqStatus.RUNNING,
                 forked=True,
+                tenant=parent.tenant,
             )
             child.extra["gen"] = make_generator(parent.params, index, self.kv_cache.device)
             self.kv.fork(parent.seq_id, child.seq_id)

@@ -98,15 +98,25 @@ class EngineLoop(threading.Thread):
         # Latest (stats, wall-clock time taken), replaced whole so other threads read it safely.
         self.snapshot: tuple[EngineStats, float] = (engine.stats(), time.time())
         self.error: BaseException | None = None  # set if the loop itself died
+        # When the current round (commands, then a step) began; None while waiting idle.
+        self._busy_since: float | None = None
 
     # Called from other threads -------------------------------------------------------
 
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            cache_salt: str | None, stream: OutputStream) -> None:
-        self._commands.put(("add", request_id, prompt, params, cache_salt, stream))
+            cache_salt: str | None, stream: OutputStream, tenant: str | None = None) -> None:
+        self._commands.put(("add", request_id, prompt, params, cache_salt, tenant, stream))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, notify: bool = False) -> None:
+        """Abort a request and free its blocks. ``notify``: its stream still gets the final
+        "abort" outputs (a drain ends streams cleanly); else the caller is gone, and so is it."""
+        self._commands.put(("abort", request_id, notify))
+
+    def stalled_s(self) -> float:
+        """Seconds the current round of work has run (0 while idle): a step that never returns
+        (a hung kernel, a deadlock) shows here while every queued request waits behind it."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the loop thread; await with ``asyncio.wrap_future``."""
@@ -125,6 +135,7 @@ class EngineLoop(threading.Thread):
     def run(self) -> None:
         try:
             while not self._stopping.is_set():
+                self._busy_since = time.monotonic()
                 busy = self.engine.has_unfinished()
                 self._drain(block=not busy)
                 if self.engine.has_unfinished():
@@ -154,7 +165,12 @@ class EngineLoop(threading.Thread):
 
     def _drain(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            if block:
+                self._busy_since = None
+                command = self._commands.get(timeout=0.5)
+                self._busy_since = time.monotonic()
+            else:
+                command = self._commands.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -167,16 +183,19 @@ class EngineLoop(threading.Thread):
     def _handle(self, command: tuple) -> None:
         kind = command[0]
         if kind == "add":
-            _, request_id, prompt, params, salt, stream = command
+            _, request_id, prompt, params, salt, tenant, stream = command
             try:
-                self.engine.add_request(request_id, prompt, params, salt)
+                self.engine.add_request(request_id, prompt, params, salt, tenant)
             except Exception as exc:  # InvalidRequestError, or anything the engine rejects
                 stream.send(exc)
                 return
             self._streams[request_id] = stream
         elif kind == "abort":
-            if self._streams.pop(command[1], None) is not None:
-                self.engine.abort(command[1])
+            _, request_id, notify = command
+            if request_id in self._streams:
+                if not notify:
+                    del self._streams[request_id]
+                self.engine.abort(request_id)
         elif kind == "call":
             _, fn, future = command
             if future.set_running_or_notify_cancel():

@@ -5,13 +5,19 @@ one batch, bounded by ``max_num_batched_tokens`` and ``max_num_seqs`` (the vLLM 
 shape). Running sequences go first, oldest first; when the pool runs dry the newest running
 sequence is preempted by recompute: its blocks are released (hashed ones stay in the LRU list
 as cache hits) and it rejoins the front of the queue, its generated tokens now part of its
-prompt. Work per step is O(scheduled sequences); nothing is re-hashed on a retry.
+prompt. Nothing is re-hashed on a retry.
+
+Admission is fair across tenants: a preempted sequence resumes first; otherwise the oldest
+waiting sequence of the tenant with the fewest running sequences goes next (ties: the oldest),
+so one tenant's flood cannot hold another's request behind it. Within a tenant, and with a
+single tenant, this is plain FIFO. Picking walks the waiting queue, which Serve bounds
+(``max_ongoing_requests`` x ``n``); other work per step is O(scheduled sequences).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +50,7 @@ class Sequence:
     num_preemptions: int = 0
     forked: bool = False  # the n-1 siblings of an n > 1 request have been created
     extra: dict[str, Any] = field(default_factory=dict)  # engine-private per-sample state
+    tenant: str | None = None  # whose share of the batch it uses (fair admission)
 
     @property
     def num_tokens(self) -> int:
@@ -140,8 +147,9 @@ class Scheduler:
             break
         if out.preempted or out.too_long:
             return out
+        running = Counter(s.tenant for s in self.running)
         while self.waiting and budget > 0:
-            seq = self.waiting[0]
+            seq = self._next_waiting(running)
             fanout = 1 if seq.forked else seq.params.n
             if len(self.running) + fanout > self.max_num_seqs and self.running:
                 break
@@ -150,7 +158,11 @@ class Scheduler:
             n = min(seq.num_tokens - num_computed, budget)
             if not kv.allocate_slots(seq.seq_id, num_computed, n, seq.hashes, hits):
                 break
-            self.waiting.popleft()
+            if seq is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(seq)
+            running[seq.tenant] += fanout
             seq.num_computed_tokens = num_computed
             seq.status = SeqStatus.RUNNING
             if seq.num_cached_tokens < 0:
@@ -161,6 +173,23 @@ class Scheduler:
             self._take(out, seq, n)
             budget -= n
         return out
+
+    def _next_waiting(self, running: Counter[str | None]) -> Sequence:
+        """The sequence whose turn it is: a preempted one (they sit at the front) keeps its
+        place; else the oldest one of the tenant running the fewest sequences, ties to the
+        oldest. With one tenant this is the queue's head, as FIFO."""
+        best = self.waiting[0]
+        if best.num_preemptions:
+            return best
+        seen = {best.tenant}
+        for seq in self.waiting:
+            if running[best.tenant] == 0:
+                break  # nobody runs fewer
+            if seq.tenant not in seen:
+                seen.add(seq.tenant)
+                if running[seq.tenant] < running[best.tenant]:
+                    best = seq
+        return best
 
     @staticmethod
     def _take(out: SchedulerOutput, seq: Sequence, n: int) -> None:
