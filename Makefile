@@ -41,7 +41,8 @@ bench: setup
 		--num-groups 16 --prompts-per-group 8 --system-len 1024 --question-len 64 \
 		--output-len 32 --ignore-eos --request-rate 11,16,20,inf --repeats 3 \
 		--cluster-option num_blocks=704 --cluster-option max_num_seqs=16 \
-		--cluster-option stream_interval=8 $(ARGS)
+		--cluster-option stream_interval=8 --metric-percentiles 90,99 \
+		--percentile-metrics ttft,tpot,itl,e2el $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -6,7 +6,7 @@ routing policy and runs the same workload against each. Examples::
     # 8 groups x 16 prompts sharing 2,048-token system prompts, Poisson at 4 req/s
     prefixserve-bench run --base-url http://127.0.0.1:8000 --workload shared-prefix \
         --request-rate 4 --ignore-eos --goodput ttft:500 tpot:50
-    # a rate sweep (one JSON per rate, throughput and TTFT p90 against rate in a PNG)
+    # a rate sweep (one JSON per rate, throughput and TTFT p99 against rate in a PNG)
     prefixserve-bench run --workload rag --request-rate 1,2,4,8 --max-concurrency 64
     # replay 500 rows of a Mooncake trace 10x faster, prompts cut to 3,000 tokens
     prefixserve-bench run --workload trace --limit 500 --speedup 10 --max-input 3000
@@ -110,7 +110,10 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("results")
     o.add_argument("--goodput", nargs="+", default=None, metavar="SLO",
                    help="ttft:MS tpot:MS e2el:MS")
-    o.add_argument("--percentiles", default="90,99")
+    o.add_argument("--metric-percentiles", default="99",
+                   help="comma-separated percentiles written as pNN fields, e.g. 50,90,99")
+    o.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="comma-separated metrics given pNN fields: ttft, tpot, itl, e2el")
     o.add_argument("--result-dir", default="bench/results", help="(git-ignored)")
     o.add_argument("--label", default=None, help="run name (files and table)")
     o.add_argument("--save-detailed", action="store_true", help="per-request rows in the JSON")

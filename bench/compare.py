@@ -17,7 +17,7 @@ from bench.launch import ensure_ray, local_cluster, shutdown
 from bench.machine import cpu_measure
 from bench.options import make_spec, make_workload, parse_rates
 from bench.outputs import write_outputs
-from bench.report import format_side_by_side, median_summary, ratio
+from bench.report import format_side_by_side, median_summary, ratio, tail_key
 from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep
 from cluster.local_redis import free_port
@@ -85,8 +85,13 @@ def compare(args: argparse.Namespace) -> int:
     return 0 if all(r.summary["completed"] for p in flat.values() for r in p) else 1
 
 
-RATIO_KEYS = (("request_throughput", "throughput"), ("median_ttft_ms", "TTFT p50"),
-              ("p90_ttft_ms", "TTFT p90"), ("prefix_hit_rate", "hit rate"))
+def ratio_keys(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """(key, label) of the per-launch ratio lines: the TTFT tail is the highest percentile
+    the run wrote (`--metric-percentiles`), left out when TTFT got none."""
+    tail = tail_key(summary)
+    tails = [(tail, f"TTFT {tail.split('_')[0]}")] if tail != "median_ttft_ms" else []
+    return [("request_throughput", "throughput"), ("median_ttft_ms", "TTFT p50"), *tails,
+            ("prefix_hit_rate", "hit rate")]
 
 
 def side_by_side(runs: dict[str, list[list[RunResult]]],
@@ -111,7 +116,7 @@ def side_by_side(runs: dict[str, list[list[RunResult]]],
             title += f", median of {launches} launches per policy"
         lines = [f"=== {title} ===", format_side_by_side(summaries)]
         for name in names[1:] if launches > 1 else []:
-            for key, label in RATIO_KEYS:
+            for key, label in ratio_keys(summaries[base]):
                 ratios = [ratio(runs[name][k][i].summary.get(key),
                                 runs[base][k][i].summary.get(key)) for k in range(launches)]
                 lines.append(f"{name}/{base} {label} per launch: " + " ".join(ratios))

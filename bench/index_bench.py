@@ -138,7 +138,8 @@ async def main(args: argparse.Namespace) -> None:
     with LocalRedis() as server:
         raw = redis.Redis.from_url(server.url)
         # Predictions live long enough to be measured however slowly they are written.
-        settings = IndexSettings(lease_ttl_s=3600, admin_deadline_s=30.0, predict_ttl_s=600)
+        settings = IndexSettings(lease_ttl_s=3600, admin_deadline_s=30.0, predict_ttl_s=600,
+                                 predict_exact_blocks=args.predict_exact_blocks)
         index = open_index(server.url, "bench", deadline_s=5.0, settings=settings)
         ids = [await index.register(f"replica-{i}", epoch=1, block_size=BLOCK_SIZE,
                                     fingerprint="fp")
@@ -217,6 +218,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--predict-prompts", type=int, default=100,
                    help="routed long prompts whose predicted entries' memory is measured (0: skip)")
     p.add_argument("--predict-tokens", type=int, default=32768, help="tokens per such prompt")
+    p.add_argument("--predict-exact-blocks", type=int,
+                   default=IndexSettings.model_fields["predict_exact_blocks"].default,
+                   help="IndexSettings.predict_exact_blocks (a huge value: one key per block)")
     p.add_argument("--only-predict", action="store_true",
                    help="measure the predicted entries' memory only (no fill, lookups, applies)")
     return p.parse_args()

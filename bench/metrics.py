@@ -6,7 +6,12 @@
 - E2E latency: request sent → last content event (vLLM's `latency`).
 - Throughputs divide by the wall-clock duration of the measured phase (warm-up excluded).
 - Goodput: completed requests meeting every SLO given (`ttft`, `tpot`, `e2el`, in ms) / duration.
-Percentiles are numpy's linear interpolation; std is the population std (np.std), as in vLLM.
+- Peak concurrent requests (`max_concurrent_requests`): the most successful requests in flight
+  at once, as vLLM measures it; the `--max-concurrency` limit is the separate `max_concurrency`.
+Mean, median and std are written for every metric; pNN fields only for the percentiles and
+metrics chosen (vLLM's `--metric-percentiles` and `--percentile-metrics`, default p99 of TTFT,
+TPOT and ITL). Percentiles are numpy's linear interpolation; std is the population std
+(np.std), as in vLLM.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from typing import Any
 import numpy as np
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
-DEFAULT_PERCENTILES = (90.0, 99.0)
+DEFAULT_PERCENTILES = (99.0,)
+DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")
 
 
 @dataclass
@@ -82,6 +88,12 @@ def meets_slos(r: RequestResult, slos: dict[str, float]) -> bool:
     return all(values[name] * 1000 <= limit for name, limit in slos.items())
 
 
+def percentile_key(p: float, metric: str) -> str:
+    """vLLM's field name: `p99_ttft_ms`, `p99.9_ttft_ms` (whole percentiles lose the `.0`)."""
+    word = str(int(p)) if int(p) == p else str(p)
+    return f"p{word}_{metric}_ms"
+
+
 def _stats(name: str, values_s: Sequence[float],
            percentiles: Sequence[float]) -> dict[str, float]:
     ms = np.asarray(values_s, dtype=float) * 1000 if len(values_s) else np.zeros(1)
@@ -91,14 +103,16 @@ def _stats(name: str, values_s: Sequence[float],
         f"std_{name}_ms": float(np.std(ms)),
     }
     for p in percentiles:
-        out[f"p{p:g}_{name}_ms"] = float(np.percentile(ms, p))
+        out[percentile_key(p, name)] = float(np.percentile(ms, p))
     return out
 
 
 def summarize(results: Sequence[RequestResult], duration: float,
               slos: dict[str, float] | None = None,
-              percentiles: Sequence[float] = DEFAULT_PERCENTILES) -> dict[str, Any]:
-    """The run's figures under vLLM's JSON names, plus prefix-hit rate and per-worker counts."""
+              percentiles: Sequence[float] = DEFAULT_PERCENTILES,
+              percentile_metrics: Sequence[str] = DEFAULT_PERCENTILE_METRICS) -> dict[str, Any]:
+    """The run's figures under vLLM's JSON names, plus prefix-hit rate and per-worker counts;
+    pNN fields for `percentiles` of `percentile_metrics` only."""
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_len for r in ok)
     total_out = sum(r.output_tokens for r in ok)
@@ -106,6 +120,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
     known_prompt = sum(r.prompt_len for r in known)
     duration = max(duration, 1e-9)
     summary: dict[str, Any] = {
+        "num_prompts": len(results),
         "duration": duration,
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -115,7 +130,7 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "request_goodput": (sum(meets_slos(r, slos) for r in ok) / duration) if slos else None,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
-        "max_concurrent_requests": max_concurrency(results),
+        "max_concurrent_requests": peak_concurrency(ok),
         "prefix_hit_rate": (sum(r.cached_tokens or 0 for r in known) / known_prompt
                             if known_prompt else None),
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in known),
@@ -129,13 +144,15 @@ def summarize(results: Sequence[RequestResult], duration: float,
         "e2el": [r.latency for r in ok],
     }
     for name in METRICS:
-        summary.update(_stats(name, series[name], percentiles))
+        summary.update(_stats(name, series[name],
+                              percentiles if name in percentile_metrics else ()))
     summary["error_counts"] = dict(Counter(r.error[:120] for r in results if not r.success))
     return summary
 
 
-def max_concurrency(results: Sequence[RequestResult]) -> int:
-    """Most requests in flight at once (sweep over start/end instants)."""
+def peak_concurrency(results: Sequence[RequestResult]) -> int:
+    """Most requests in flight at once: a sweep over [start, end) intervals, an end before a
+    start at the same instant, as vLLM counts them (pass the successful requests)."""
     edges = sorted([(r.start_time, 1) for r in results]
                    + [(r.start_time + r.latency, -1) for r in results])
     peak = live = 0

@@ -14,7 +14,7 @@ from typing import Any
 
 from bench.client import ClientConfig
 from bench.load import LoadShape
-from bench.metrics import parse_goodput
+from bench.metrics import METRICS, parse_goodput
 from bench.runner import RunSpec, WorkloadFn
 from bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
 from workers.checkpoints import BUILTIN_MODEL_NAME, resolve_checkpoint
@@ -86,13 +86,28 @@ def make_spec(args: argparse.Namespace, base_url: str, model: str) -> RunSpec:
     shape = LoadShape(burstiness=args.burstiness, max_concurrency=args.max_concurrency,
                       duration_s=args.duration, seed=args.seed)
     return RunSpec(client, shape, Tokens(vocab, args.seed, args.min_token_id), args.warmup,
-                   parse_goodput(args.goodput), parse_floats(args.percentiles),
+                   parse_goodput(args.goodput), parse_percentiles(args.metric_percentiles),
+                   parse_percentile_metrics(args.percentile_metrics),
                    progress=not args.no_progress)
 
 
-def parse_floats(text: str) -> list[float]:
-    """`"90,99"` → `[90.0, 99.0]`."""
-    return [float(x) for x in str(text).split(",") if x.strip()]
+def parse_percentiles(text: str) -> list[float]:
+    """`--metric-percentiles "90,99"` → `[90.0, 99.0]`; a bad list stops before any load."""
+    try:
+        out = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or any(not 0 <= p <= 100 for p in out):
+        raise SystemExit(f"bad --metric-percentiles {text!r}: use numbers in [0, 100]")
+    return out
+
+
+def parse_percentile_metrics(text: str) -> list[str]:
+    """`--percentile-metrics "ttft,e2el"` → `["ttft", "e2el"]` (a subset of ttft,tpot,itl,e2el)."""
+    out = [x.strip() for x in str(text).split(",") if x.strip()]
+    if not out or any(m not in METRICS for m in out):
+        raise SystemExit(f"bad --percentile-metrics {text!r}: choose from {','.join(METRICS)}")
+    return out
 
 
 def parse_rates(args: argparse.Namespace) -> list[float]:

@@ -19,10 +19,12 @@ from bench.runner import RunResult
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The knobs that produced a result, saved beside it."""
+    """The knobs that produced a result, saved beside it, with vLLM's `date` (its format) and
+    `tokenizer_id` (null: token-id prompts, no tokenizer used)."""
     skip = {"func", "command"}
     cfg = {k: v for k, v in vars(args).items() if k not in skip and not callable(v)}
-    cfg["date"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    cfg["date"] = time.strftime("%Y%m%d-%H%M%S")
+    cfg["tokenizer_id"] = args.tokenizer
     return cfg
 
 
@@ -33,8 +35,7 @@ def write_outputs(args: argparse.Namespace, runs: dict[str, list[RunResult]]) ->
     for points in runs.values():
         for r in points:
             path = out_dir / f"{_slug(r.label)}.json"
-            save_json(path, r.summary, {**run_config(args), "label": r.label,
-                                        "request_rate": r.request_rate},
+            save_json(path, r.summary, {**run_config(args), "label": r.label},
                       r.results if args.save_detailed else None)
             files.append(path)
     if args.no_plots:

@@ -22,6 +22,8 @@ _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 _HEAD = [
     ("completed", "Successful requests", "{:d}"),
     ("failed", "Failed requests", "{:d}"),
+    ("max_concurrency", "Maximum request concurrency", "{:d}"),
+    ("request_rate", "Request rate configured (RPS)", "{:.2f}"),
     ("duration", "Benchmark duration (s)", "{:.2f}"),
     ("total_input_tokens", "Total input tokens", "{:d}"),
     ("total_output_tokens", "Total generated tokens", "{:d}"),
@@ -29,8 +31,8 @@ _HEAD = [
     ("request_goodput", "Request goodput (req/s)", "{:.2f}"),
     ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
     ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
-    ("prefix_hit_rate", "Prefix hit rate", "{:.3f}"),
     ("max_concurrent_requests", "Peak concurrent requests", "{:d}"),
+    ("prefix_hit_rate", "Prefix hit rate", "{:.3f}"),
     ("router_latency_samples", "Routing latency samples", "{:d}"),
     ("mean_router_latency_ms", "Mean routing latency (ms)", "{:.3f}"),
     ("median_router_latency_ms", "Median routing latency (ms)", "{:.3f}"),
@@ -38,6 +40,7 @@ _HEAD = [
     ("own_cpu_cores", "CPU of this benchmark (cores)", "{:.2f}"),
     ("other_cpu_cores", "CPU of other processes (cores)", "{:.2f}"),
     ("stolen_cpu_cores", "CPU stolen by other VMs (cores)", "{:.2f}"),
+    ("own_rss_mib", "RSS of this benchmark (MiB)", "{:.0f}"),
 ]
 
 
@@ -50,6 +53,13 @@ def table_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
         rows += [(k, f"{k.split('_')[0].upper()} {_LABELS[m]} (ms)") for k in summary
                  if k.startswith("p") and k.endswith(f"_{m}_ms")]
     return rows
+
+
+def tail_key(summary: Mapping[str, Any], metric: str = "ttft") -> str:
+    """The highest percentile of `metric` the run wrote (`--metric-percentiles`), else its
+    median: the tail that plots and ratio lines show."""
+    keys = [k for k in summary if re.fullmatch(rf"p[\d.]+_{metric}_ms", k)]
+    return max(keys, key=lambda k: float(k[1:].split("_")[0]), default=f"median_{metric}_ms")
 
 
 def _fmt(key: str, value: Any) -> str:
@@ -98,8 +108,8 @@ def format_side_by_side(runs: Mapping[str, Mapping[str, Any]], baseline: str | N
 
 
 def ratio(a: Any, b: Any) -> str:
-    """`a / b` as `1.23x`; `-` when either is missing or `b` is zero."""
-    if a is None or b is None or not b:
+    """`a / b` as `1.23x`; `-` when either is missing, `b` is zero or either is infinite."""
+    if a is None or b is None or not b or not math.isfinite(a / b):
         return "-"
     return f"{a / b:.2f}x"
 
@@ -117,13 +127,16 @@ def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 def save_json(path: Path, summary: Mapping[str, Any], config: Mapping[str, Any],
               results: Sequence[RequestResult] | None = None) -> None:
     """Write config + summary; with results also vLLM's per-request lists (`input_lens`,
-    `output_lens`, `ttfts`, `itls`, `errors`, in seconds) and our fuller `requests` rows."""
+    `output_lens` (0 for a failure), `ttfts`, `itls`, `latencies`, `start_times`, `errors`, in
+    seconds) and our fuller `requests` rows."""
     doc = {**config, **summary}
     if results is not None:
         doc["input_lens"] = [r.prompt_len for r in results]
-        doc["output_lens"] = [r.output_tokens for r in results]
+        doc["output_lens"] = [r.output_tokens if r.success else 0 for r in results]
         doc["ttfts"] = [r.ttft for r in results]
         doc["itls"] = [r.itl for r in results]
+        doc["latencies"] = [r.latency for r in results]
+        doc["start_times"] = [r.start_time for r in results]
         doc["errors"] = [r.error for r in results]
         doc["requests"] = [r.row() for r in results]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,20 +193,21 @@ def plot_ttft_cdf(runs: Mapping[str, Sequence[RequestResult]], path: Path) -> Pa
 
 
 def plot_rate_curves(curves: Mapping[str, Sequence[tuple[float, Mapping[str, Any]]]],
-                     path: Path, pct: str = "p90") -> Path:
-    """Output throughput and TTFT percentile against request rate, one line per run label."""
+                     path: Path) -> Path:
+    """Output throughput and the TTFT tail (`tail_key`) against request rate, one line per
+    run label."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    key = tail_key(next(iter(curves.values()))[0][1])
     for name, points in curves.items():
         pts = sorted(points, key=lambda p: p[0])
         rates = [r for r, _ in pts]
         left.plot(rates, [s["output_throughput"] for _, s in pts], marker="o", label=name)
-        right.plot(rates, [s.get(f"{pct}_ttft_ms", math.nan) for _, s in pts], marker="o",
-                   label=name)
+        right.plot(rates, [s.get(key, math.nan) for _, s in pts], marker="o", label=name)
     left.set_xlabel("request rate (req/s)")
     left.set_ylabel("output throughput (tok/s)")
     right.set_xlabel("request rate (req/s)")
-    right.set_ylabel(f"TTFT {pct} (ms)")
+    right.set_ylabel(f"TTFT {key.split('_')[0]} (ms)")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -1,13 +1,15 @@
 """Routing latency of the prefix-aware router, read from Ray's Prometheus metrics endpoint.
 
-The router observes `prefixserve_router_latency_ms` (a `ray.util.metrics.Histogram`) in the
-process that routes (the ingress replica); Ray's metrics agent on the node exports it as
-`ray_prefixserve_router_latency_ms_{bucket,count,sum}` at `http://127.0.0.1:PORT/metrics`, PORT
+The router observes `prefixserve_router_latency_seconds` (a `ray.util.metrics.Histogram`) in
+the process that routes (the ingress replica); Ray's metrics agent on the node exports it as
+`ray_prefixserve_router_latency_seconds_{bucket,count,sum}` at `http://127.0.0.1:PORT/metrics`,
+PORT
 being `ray.init(_metrics_export_port=...)` (the agent runs with `include_dashboard=False` too).
 The histogram is cumulative, so one run's figures are the difference of a scrape before and
 one after it, and its percentiles are interpolated inside buckets as Prometheus'
 `histogram_quantile` does: only as fine as the router's bucket bounds. Serve's default
 power-of-two router does not observe this histogram, so pow2 runs get no routing figures.
+The figures are reported in milliseconds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-METRIC = "ray_prefixserve_router_latency_ms"
+METRIC = "ray_prefixserve_router_latency_seconds"
 REPORT_INTERVAL_MS = 2000      # Ray's metrics_report_interval_ms while measuring (default 10 s)
 _LE = re.compile(r'le="([^"]+)"')
 
@@ -81,11 +83,12 @@ def summarize(before: Histogram, after: Histogram) -> dict[str, Any]:
     run = after.minus(before)
     if run.count <= 0:
         return {}
+    median, p99 = run.quantile(0.5), run.quantile(0.99)
     return {
         "router_latency_samples": int(run.count),
-        "mean_router_latency_ms": run.total / run.count,
-        "median_router_latency_ms": run.quantile(0.5),
-        "p99_router_latency_ms": run.quantile(0.99),
+        "mean_router_latency_ms": 1000 * run.total / run.count,
+        "median_router_latency_ms": None if median is None else 1000 * median,
+        "p99_router_latency_ms": None if p99 is None else 1000 * p99,
     }
 
 

@@ -9,7 +9,12 @@ from typing import Any
 
 from bench.client import ClientConfig, Prompt, make_http_client, send
 from bench.load import LoadShape, RunOutcome, run_load, warm_up
-from bench.metrics import DEFAULT_PERCENTILES, RequestResult, summarize
+from bench.metrics import (
+    DEFAULT_PERCENTILE_METRICS,
+    DEFAULT_PERCENTILES,
+    RequestResult,
+    summarize,
+)
 from bench.workloads import Session, Tokens, warmup_sessions
 
 WorkloadFn = Callable[[Tokens], list[Session]]
@@ -23,6 +28,7 @@ class RunSpec:
     warmup: int = 0
     slos: dict[str, float] = field(default_factory=dict)
     percentiles: Sequence[float] = DEFAULT_PERCENTILES
+    percentile_metrics: Sequence[str] = DEFAULT_PERCENTILE_METRICS
     progress: bool = True
 
 
@@ -50,8 +56,21 @@ async def run_once(spec: RunSpec, workload: WorkloadFn, label: str = "run") -> R
                                    f"{failed[0].error}")
         outcome: RunOutcome = await run_load(sessions, send_one, spec.shape,
                                              progress=spec.progress, desc=label)
-    summary = summarize(outcome.results, outcome.duration, spec.slos or None, spec.percentiles)
+    summary = {**setup(spec), **summarize(outcome.results, outcome.duration, spec.slos or None,
+                                          spec.percentiles, spec.percentile_metrics)}
     return RunResult(label, summary, outcome.results, spec.shape.request_rate)
+
+
+def setup(spec: RunSpec) -> dict[str, Any]:
+    """vLLM's setup fields of a result: what was asked of which server, so that a result file
+    reads the same as `vllm bench serve`'s (`backend` as its name for the endpoint type)."""
+    return {
+        "backend": "openai-chat" if spec.client.chat else "openai",
+        "model_id": spec.client.model or None,
+        "request_rate": spec.shape.request_rate,
+        "burstiness": spec.shape.burstiness,
+        "max_concurrency": spec.shape.max_concurrency,
+    }
 
 
 # Called before each point; the coroutine it returns is awaited after the point and gives

@@ -7,6 +7,14 @@ prompts to a `Generation` (cluster/generation.py: the worker calls through the p
 router, text deltas out) and its deltas to the `Renderer` (cluster/render.py: OpenAI bodies or
 SSE chunks).
 
+Before any worker runs, a request is also held to a cost bound (`max_request_tokens` to
+generate, `max_request_logprobs` entries: 400 `request_too_costly`), and text that cannot fit
+the context whatever it tokenizes to (more characters than max_model_len times the longest
+token) is refused without tokenizing. The event loop stays free for other requests: long texts
+are tokenized and chat templates rendered on a small thread pool (the tokenizer releases the
+GIL), as are the bodies of non-streamed responses with logprobs; short ones stay inline, where
+a thread hop would cost more than the work.
+
 The ingress reads the checkpoint's tokenizer and config.json only; it never imports torch.
 """
 
@@ -14,6 +22,8 @@ The ingress reads the checkpoint's tokenizer and config.json only; it never impo
 # on the Serve-wrapped methods, or it takes `request` for a query parameter.
 import asyncio
 import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any, TypeVar
 
@@ -38,7 +48,7 @@ from cluster.protocol import (
     new_id,
     now,
 )
-from cluster.render import Renderer, stream_response, worker_headers
+from cluster.render import Renderer, collect, stream_response, worker_headers
 from cluster.tokenizer import Tokenizer, TokenizerError
 from workers.checkpoints import resolve_checkpoint
 from workers.models.config import load_model_config
@@ -48,7 +58,11 @@ logger = logging.getLogger("ray.serve")
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 app.add_middleware(Guard)
 CAPACITY_TIMEOUT_S = 10.0
+INLINE_CHARS = 4096  # text up to this long is tokenized inline (~1 ms); longer: on the pool
+MESSAGE_CHARS = 64  # what a chat message weighs against INLINE_CHARS besides its text
+CPU_THREADS = 4  # the pool for long tokenizing and rendering
 Body = TypeVar("Body", bound=BaseModel)
+T = TypeVar("T")
 
 
 def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
@@ -119,6 +133,8 @@ class OpenAIIngress:
                  max_model_len: int | None, guard: GuardSettings,
                  salt_secret: bytes = b"") -> None:
         Guard.configure(guard)
+        self.limits = guard
+        self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
@@ -151,18 +167,26 @@ class OpenAIIngress:
         req = parse_body(CompletionRequest, await request.body())
         self._check_model(req.model)
         self._check_stop_ids(req.stop_token_ids)
-        prompts = [self._prompt_ids(p) for p in req.prompts()]
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
+        inputs = req.prompts()
+        self._check_cost(len(inputs), req.n, max_tokens, req.logprobs, "logprobs")
+        for prompt in inputs:  # cheap checks of every prompt before tokenizing any
+            if isinstance(prompt, str):
+                self._check_chars(len(prompt), "prompt")
+            else:
+                self._check_context(len(prompt), max_tokens, "prompt")
+        prompts = [await self._prompt_ids(p) for p in inputs]
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
             await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_fields() | {"max_tokens": max_tokens, "logprobs": req.logprobs}
-        gen = self._generation("cmpl", prompts, sampling, req.stop_strings,
-                               self._salt(request, req.cache_salt))
+        gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
+                               req.cache_salt)
         if req.stream:
             return await stream_response(gen, self.render.completion_chunks(gen, req))
-        body = (await self.render.completion(gen, req)).model_dump()
-        return JSONResponse(body, headers=worker_headers(gen))
+        per_choice = await collect(gen)
+        return await self._run(req.logprobs is not None, self._json_response,
+                               self.render.completion, gen, req, per_choice)
 
     @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
@@ -173,23 +197,26 @@ class OpenAIIngress:
             {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             for m in req.messages
         ]
-        try:
-            ids = self.tokenizer.encode_chat(messages, req.add_generation_prompt)
-        except TokenizerError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_chars(chars, "messages")
+        heavy = chars + MESSAGE_CHARS * len(messages) > INLINE_CHARS
+        ids = await self._run(heavy, self._encode_chat, messages, req.add_generation_prompt)
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
         self._check_context(len(ids), max_tokens, "messages")
+        self._check_cost(1, req.n, max_tokens, req.num_logprobs, "top_logprobs",
+                         rest_of_context=req.max_output_tokens is None)
         await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_fields() | {"max_tokens": max_tokens,
                                             "logprobs": req.num_logprobs}
-        gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings,
-                               self._salt(request, req.cache_salt))
+        gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
+                               req.cache_salt)
         if req.stream:
             return await stream_response(gen, self.render.chat_chunks(gen, req))
-        body = (await self.render.chat(gen, req)).model_dump()
-        return JSONResponse(body, headers=worker_headers(gen))
+        per_choice = await collect(gen)
+        return await self._run(req.logprobs, self._json_response, self.render.chat, gen, req,
+                               per_choice)
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -202,9 +229,9 @@ class OpenAIIngress:
             raise ApiError(404, f"The model `{model}` does not exist; this server serves "
                            f"`{self.model_name}`.", param="model", code="model_not_found")
 
-    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt)
+            ids = await self._run(len(prompt) > INLINE_CHARS, self.tokenizer.encode, prompt)
             if not ids:
                 raise ApiError(400, "prompt encodes to no tokens", param="prompt")
             return ids
@@ -213,6 +240,30 @@ class OpenAIIngress:
             raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
                            f"[0, {self.vocab_size})", param="prompt")
         return prompt
+
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool
+                     ) -> list[int]:
+        """The conversation's token ids; the rendered text is held to the same length bound
+        as a prompt before it is tokenized (the template adds text per message)."""
+        try:
+            text = self.tokenizer.render_chat(messages, add_generation_prompt)
+        except TokenizerError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        self._check_chars(len(text), "messages")
+        # The template writes BOS itself when the model wants it (as transformers does).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    async def _run(self, heavy: bool, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`: on the thread pool when heavy, so the event loop keeps serving; else
+        inline."""
+        if not heavy:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.cpu, partial(fn, *args))
+
+    @staticmethod
+    def _json_response(render: Callable[..., BaseModel], gen: Generation, *args: Any
+                       ) -> JSONResponse:
+        return JSONResponse(render(gen, *args).model_dump(), headers=worker_headers(gen))
 
     def _check_stop_ids(self, ids: list[int] | None) -> None:
         bad = [t for t in ids or [] if t >= self.vocab_size]
@@ -231,6 +282,42 @@ class OpenAIIngress:
                 param=param, code="context_length_exceeded",
             )
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing:
+        a token stands for at most `max_chars_per_token` characters."""
+        per_token = self.tokenizer.max_chars_per_token
+        if chars > self.max_model_len * per_token:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you sent {chars:,} characters in the {param}, more than {self.max_model_len} "
+                f"tokens can hold (a token here is at most {per_token} characters). Please "
+                f"reduce the length of the {param}.",
+                param=param, code="context_length_exceeded",
+            )
+
+    def _check_cost(self, prompts: int, n: int, max_tokens: int, top_logprobs: int | None,
+                    logprobs_param: str, rest_of_context: bool = False) -> None:
+        """Refuse a request that asks for more generated tokens, or logprob entries, than one
+        request may: each costs worker time (and KV) or ingress CPU and response bytes."""
+        tokens = prompts * n * max_tokens
+        shape = (f"{prompts} prompts × " if prompts > 1 else "") + f"n={n} × {max_tokens} tokens"
+        if rest_of_context:
+            shape += " (no max_tokens: the rest of the context)"
+        limit = self.limits.max_request_tokens
+        if tokens > limit:
+            raise ApiError(400, f"This request may generate up to {tokens:,} tokens ({shape}); "
+                           f"the limit is {limit:,} per request. Lower max_tokens, n or the "
+                           "number of prompts.", param="max_tokens", code="request_too_costly")
+        if top_logprobs is None:
+            return
+        entries, limit = tokens * (top_logprobs + 1), self.limits.max_request_logprobs
+        if entries > limit:
+            raise ApiError(400, f"This request may return up to {entries:,} logprob entries "
+                           f"({tokens:,} tokens × {top_logprobs + 1}); the limit is {limit:,} "
+                           f"per request. Lower {logprobs_param}, max_tokens or n.",
+                           param=logprobs_param, code="request_too_costly")
+
     async def _check_capacity(self, prompt_len: int, param: str) -> None:
         """Refuse at once a prompt no worker's KV pool can ever hold (the engine would too,
         after a round trip). The capacity comes from one worker's stats, asked once."""
@@ -246,12 +333,10 @@ class OpenAIIngress:
                            f"{self.kv_capacity} tokens including the first generated one.",
                            param=param, code="kv_capacity_exceeded")
 
-    def _salt(self, request: Request, client_salt: str | None) -> str | None:
-        """The request's cache namespace: the tenant's, when API keys are on."""
-        return tenant_salt(self.salt_secret, getattr(request.state, "tenant", None),
-                           client_salt)
-
     def _generation(self, kind: str, prompts: list[list[int]], sampling: dict[str, Any],
-                    stops: list[str], cache_salt: str | None) -> Generation:
+                    stops: list[str], request: Request, client_salt: str | None) -> Generation:
+        """The request's worker calls, in the tenant's cache namespace (when API keys are on)
+        and under its name in the workers' fair-share queue."""
+        tenant = getattr(request.state, "tenant", None)
         return Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
-                          cache_salt)
+                          tenant_salt(self.salt_secret, tenant, client_salt), tenant)

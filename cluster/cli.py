@@ -59,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML or JSON file of ClusterConfig fields (flags override)")
     serve.add_argument("--dashboard", action="store_true",
                        help="start the Ray dashboard with a local Ray")
+    serve.add_argument("--metrics-export-port", type=int, default=None, metavar="PORT",
+                       help="where a local Ray's metrics agent serves Prometheus text "
+                       "(http://HOST:PORT/metrics: ray_vllm_* worker series, "
+                       "ray_prefixserve_router_*); default: a random port. With --address "
+                       "it is the cluster's own setting (`ray start --metrics-export-port`), "
+                       "and this flag is ignored")
     _add_config_flags(serve)
     return parser
 
@@ -156,7 +162,15 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
 
     previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     local = args.address is None
-    ray.init(address=args.address or "local", include_dashboard=args.dashboard if local else None)
+    extra: dict[str, Any] = {}
+    if args.metrics_export_port is not None:
+        if local:
+            extra["_metrics_export_port"] = args.metrics_export_port
+        else:
+            print("prefixserve: warning: --metrics-export-port is ignored with --address (the "
+                  "cluster's nodes export on their own port)", file=sys.stderr)
+    ray.init(address=args.address or "local", include_dashboard=args.dashboard if local else None,
+             **extra)
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config=serve_logging(config))

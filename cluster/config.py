@@ -35,6 +35,10 @@ from workers.checkpoints import (
 )
 from workers.engine_types import EngineConfig
 
+DEFAULT_MAX_REQUEST_TOKENS = 2**18
+DEFAULT_MAX_REQUEST_LOGPROBS = 2**17
+DEFAULT_BODY_READ_TIMEOUT_S = 30.0
+DEFAULT_IDLE_STREAM_TIMEOUT_S = 30.0
 API_KEYS_ENV = "PREFIXSERVE_API_KEYS"  # JSON object key -> tenant, or a path to such a file
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 Policy = Literal[POLICY_NAMES]  # the names of router.routing_policies.ROUTING_POLICIES
@@ -117,8 +121,35 @@ class IngressConfig(BaseModel):
         512, ge=1, description="Generation requests one ingress replica holds at once (running "
         "or waiting for a worker); past it: 429 with Retry-After. At most "
         "ingress_max_ongoing_requests")
+    max_queued_requests_per_tenant: int | None = Field(
+        None, ge=1, description="Generation requests one tenant (API key) may hold at once in "
+        "one ingress replica, so no tenant takes every slot; past it: 429 (code "
+        "tenant_overloaded). Default half of max_queued_requests, at least 1. Without api_keys "
+        "all clients are one anonymous tenant and only max_queued_requests applies")
     max_request_bytes: int = Field(
         4 * 2**20, ge=1024, description="Largest request body; larger ones get 413")
+    max_request_tokens: int = Field(
+        DEFAULT_MAX_REQUEST_TOKENS, ge=1, description="Tokens one request may ask to generate: "
+        "prompts × n × max_tokens (chat without max_tokens counts the rest of the context); "
+        "past it: 400 (code request_too_costly) before any worker runs. 256 Ki: two full "
+        "128 Ki-token contexts, or 16 samples of 16 Ki tokens; a 32-prompt × n=16 × 4,000-token "
+        "request (2 M) is refused")
+    max_request_logprobs: int = Field(
+        DEFAULT_MAX_REQUEST_LOGPROBS, ge=1, description="Logprob entries one request may ask "
+        "for: generated tokens × (top logprobs + 1); past it: 400 (code request_too_costly). "
+        "128 Ki: logprobs for a whole 128 Ki-token context; each entry costs the ingress CPU "
+        "and ~60 bytes of response")
+    body_read_timeout_s: float = Field(
+        DEFAULT_BODY_READ_TIMEOUT_S, gt=0.0, description="Time from a request's headers to the "
+        "end of its body; past it: 408 and the connection closed. A request holds no in-flight "
+        "slot before its body is in, so slow uploads cannot starve the others. 30 s lets a "
+        "4 MiB body arrive at ~1.1 Mbit/s")
+    idle_stream_timeout_s: float = Field(
+        DEFAULT_IDLE_STREAM_TIMEOUT_S, gt=0.0, description="How long a response write may wait "
+        "on a client that reads nothing; past it the request is cancelled (its generation "
+        "aborted, KV blocks freed) and the connection closed. Acts where the HTTP server "
+        "pushes back on the app (uvicorn serving it directly); behind Serve's HTTP proxy "
+        "writes never wait, and max_request_tokens bounds such a stream")
     api_keys: dict[str, str] = Field(
         default_factory=_api_keys_from_env, validate_default=True, repr=False,
         description=f"API key -> tenant, as a JSON object or a JSON file's path; env "
@@ -144,6 +175,13 @@ class IngressConfig(BaseModel):
     def max_in_flight(self) -> int:
         """Past ingress_max_ongoing_requests Serve's proxy would queue without bound."""
         return min(self.max_queued_requests, self.ingress_max_ongoing_requests)
+
+    @property
+    def max_in_flight_per_tenant(self) -> int:
+        """Half the replica's slots by default: two busy tenants can still share it whole."""
+        if self.max_queued_requests_per_tenant is not None:
+            return min(self.max_queued_requests_per_tenant, self.max_in_flight)
+        return max(1, self.max_in_flight // 2)
 
 
 SECTIONS: dict[str, type[BaseModel]] = {

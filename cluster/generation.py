@@ -83,6 +83,7 @@ class Generation:
     sampling: dict[str, Any]
     stops: list[str]
     cache_salt: str | None
+    tenant: str | None = None  # the API key's tenant: the workers queue tenants fairly
     choices: list[list[_Choice]] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     served_by: list[set[str]] = field(default_factory=list)  # per prompt: worker replica ids
@@ -140,7 +141,7 @@ class Generation:
         return self.workers.options(stream=True).generate.remote(
             GenerateRequest(
                 request_id=f"{self.request_id}-{p}", prompt_token_ids=self.prompts[p],
-                sampling=self.sampling, cache_salt=self.cache_salt,
+                sampling=self.sampling, cache_salt=self.cache_salt, tenant=self.tenant,
             )
         )
 

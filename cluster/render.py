@@ -9,12 +9,13 @@ is known good, as OpenAI sends it first.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
+from starlette.types import Receive, Scope, Send
 
 from cluster.generation import ChoiceDelta, Generation, to_api_error
 from cluster.protocol import (
@@ -66,6 +67,20 @@ async def sse_body(first: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]
     yield "data: [DONE]\n\n"
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """Closes its body however the response ends. Starlette leaves a stream it stopped
+    reading (its write was cancelled: an idle client) to the garbage collector; closing it
+    here cancels the worker calls at once."""
+
+    body_iterator: AsyncGenerator[str, None]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 async def stream_response(gen: Generation, chunks: AsyncIterator[str]) -> StreamingResponse:
     """Prime the stream (errors before the first chunk are plain HTTP errors), then SSE."""
     try:
@@ -75,7 +90,7 @@ async def stream_response(gen: Generation, chunks: AsyncIterator[str]) -> Stream
     except Exception as exc:
         await chunks.aclose()
         raise to_api_error(exc) from None
-    return StreamingResponse(
+    return ClosingStreamingResponse(
         sse_body(first, chunks), media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **worker_headers(gen)},
     )
@@ -104,18 +119,22 @@ class Renderer:
     tokenizer: Tokenizer
     model_name: str
 
-    async def completion(self, gen: Generation, req: CompletionRequest) -> CompletionResponse:
+    def completion(self, gen: Generation, req: CompletionRequest,
+                   per_choice: list[list[ChoiceDelta]]) -> CompletionResponse:
+        """The body of a finished request (`collect`ed); pure CPU, may run off the loop."""
         choices = []
-        for i, ds in enumerate(await collect(gen)):
+        for i, ds in enumerate(per_choice):
             logprobs = self.completion_logprobs(ds) if req.logprobs is not None else None
             choices.append(CompletionChoice(index=i, text="".join(d.text for d in ds),
                                             logprobs=logprobs, finish_reason=_finish(ds)))
         return CompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
                                   choices=choices, usage=gen.usage())
 
-    async def chat(self, gen: Generation, req: ChatCompletionRequest) -> ChatCompletionResponse:
+    def chat(self, gen: Generation, req: ChatCompletionRequest,
+             per_choice: list[list[ChoiceDelta]]) -> ChatCompletionResponse:
+        """The body of a finished request (`collect`ed); pure CPU, may run off the loop."""
         choices = []
-        for i, ds in enumerate(await collect(gen)):
+        for i, ds in enumerate(per_choice):
             logprobs = self.chat_logprobs(ds) if req.logprobs else None
             message = ChatResponseMessage(content="".join(d.text for d in ds))
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,

@@ -101,6 +101,13 @@ class Tokenizer:
         self._added = {
             i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
         }
+        # Characters of text one token can stand for, at most: the longest vocabulary entry
+        # (a byte-level piece has a character per byte, SentencePiece's "▁" is the space),
+        # four times over when a normalizer may compose up to four code points into one
+        # (NFC/NFKC). Text longer than max_model_len times this cannot fit the context, so the
+        # ingress refuses it without tokenizing. SmolLM2's: 81 (a run of spaces).
+        longest = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = longest * (4 if spec.get("normalizer") else 1)
 
     @staticmethod
     def _find_chat_template(path: Path, config: dict[str, Any]) -> str:
@@ -114,7 +121,9 @@ class Tokenizer:
         return template if isinstance(template, str) else DEFAULT_CHAT_TEMPLATE
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode holds it throughout), so a long
+        # text encoded on a worker thread leaves the event loop running.
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -11,7 +11,13 @@ Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot pe
                      512 blocks in ~10 Redis calls) and an apply writes a batch with one HMGET
                      + HSET (+ HDEL).
     P.."q"..digest   predicted entries: records of 2-byte id + 13-digit expiry (ms, Redis
-                     clock); the key's PX is the latest expiry
+                     clock); the key's PX is the latest expiry. A prediction writes at most
+                     ``predict_exact_blocks`` of them (the first blocks past the worker's
+                     confirmed depth) ...
+    P.."T"           ... and the rest of a longer chain as one sampled tail (``lua/_tails.lua``):
+                     hash 2-byte id -> the worker's newest tails (at most ``_MAX_TAILS``); the
+                     key's PX is the latest expiry. So a 2,048-block prompt costs ~170 KB of
+                     Redis as 2,048 keys but ~12 KB as 64 keys + a tail (bench/index_bench.py).
     P.."r:"..id      the worker's reverse index: its digests appended as 16-byte records.
                      Always a superset of its entries (removals leave garbage that is compacted
                      once it outweighs the live part), so GC of a dead worker is O(own blocks).
@@ -26,6 +32,10 @@ Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot pe
 Per-block keys and P.."B" are built inside the scripts from the prefix; they all share the
 declared keys' slot.
 
+Connections: setting one up (TCP, TLS, AUTH) is bounded by ``connect_timeout_s`` and not by the
+deadline of the call that needed it (see :class:`_SetupOffDeadline`), so a Redis that takes
+longer to connect to than a lookup may take still serves lookups once connected.
+
 Memory: a (block, worker) entry is 2 bytes (the worker id) in the block's field of the model's
 block hash plus 16 bytes in the worker's reverse index; with the field's own overhead shared by
 its holders that measured ~66 bytes an entry at 1M blocks x 2 holders (bench/index_bench.py).
@@ -36,19 +46,28 @@ a partially evicted worker could leave entries that its reverse index does not k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
 import struct
-from collections.abc import Awaitable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from redis.asyncio import Redis
+from redis.asyncio import ConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import AbstractConnection, Connection, parse_url
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import AuthenticationError, AuthenticationWrongNumberOfArgsError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    ConnectionError,
+    RedisError,
+)
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router import redis_scripts
 from router.blocks import DIGEST_BYTES
@@ -71,7 +90,6 @@ from router.index import (
     expect,
 )
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
@@ -79,6 +97,19 @@ _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
 _DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
+# A tail's samples: a chain that leaves the routed one between two samples is credited up to
+# the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
+_TAIL_SAMPLES = 64
+# Tails kept per worker: more long prompts than this routed to one worker within
+# predict_ttl_s (each takes seconds to prefill) keep the newest; ~1.3 KB each.
+_MAX_TAILS = 32
+_TAIL_HEAD = struct.Struct(">IH")  # from_block, samples
+_TAIL_POS = struct.Struct(">I")
+
+# The deadline of the index call running in this task (3.11+: asyncio.timeout), with its
+# length, so that a connection set up for it can take the setup out of it.
+_CALL_DEADLINE: ContextVar[tuple[Any, float] | None] = ContextVar("index_call", default=None)
+_SETTING_UP: ContextVar[bool] = ContextVar("index_setting_up", default=False)
 
 
 def key_tag(model: str) -> str:
@@ -91,10 +122,97 @@ def key_tag(model: str) -> str:
     return "m" + hashlib.sha256(model.encode()).hexdigest()[:7]
 
 
-def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
+class _SetupOffDeadline:
+    """Mixed into redis-py's connection classes: setting a connection up is not a call's work.
+
+    The setup (TCP, TLS, AUTH/HELLO) runs as a task of its own, bounded by
+    ``socket_connect_timeout`` (``connect_timeout_s``); the index call that needs it waits with
+    its deadline paused and gets its whole deadline for the command once connected. A caller
+    that gives up anyway (the router's own cap) leaves the setup running, so the connection is
+    ready for the next call instead of being torn down mid-handshake every time.
+    """
+
+    _setup: asyncio.Task | None = None
+    _shared_tls: Any = None  # per client class: see _off_deadline
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # redis-py builds a TLS context per connection; ssl.create_default_context() loads
+        # the system CAs, ~10-50 ms that block the event loop and so every call in flight.
+        # A client's connections have the same TLS settings: they share the first one's.
+        tls = getattr(self, "ssl_context", None)
+        if tls is not None:
+            cls = type(self)
+            if cls._shared_tls is None:
+                cls._shared_tls = tls
+            self.ssl_context = cls._shared_tls
+
+    async def connect(self) -> None:
+        if self.is_connected:
+            return
+        task = self._setup
+        if task is None or task.done():
+            task = self._setup = asyncio.ensure_future(self._set_up())
+            task.add_done_callback(_retrieve)
+        call = _CALL_DEADLINE.get()
+        if call is not None:
+            _reschedule(call[0], None)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.cancelled():  # our caller gave up; the setup goes on for the next one
+                raise
+            raise ConnectionError("the client closed while connecting") from None
+        finally:
+            if call is not None:
+                _reschedule(call[0], asyncio.get_running_loop().time() + call[1])
+
+    async def _set_up(self) -> None:
+        _SETTING_UP.set(True)  # this task's own context: see disconnect()
+        _CALL_DEADLINE.set(None)
+        try:
+            await asyncio.wait_for(super().connect(), self.socket_connect_timeout)
+        except BaseException as exc:
+            # Cut off mid-handshake, redis-py would keep the socket as if connected and read
+            # the handshake's late replies as the next command's.
+            await self.disconnect()
+            if isinstance(exc, asyncio.TimeoutError):
+                raise RedisTimeoutError("Timeout connecting to server") from None
+            raise
+
+    async def disconnect(self, *args: Any, **kwargs: Any) -> None:
+        """Also stops a setup in flight (the client is closing), unless the setup itself is
+        cleaning up after a failed attempt."""
+        task = self._setup
+        if task is not None and not task.done() and not _SETTING_UP.get():
+            task.cancel()
+        await super().disconnect(*args, **kwargs)
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A setup nobody waited for any more failed: its caller has already failed open."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _reschedule(timeout: Any, when: float | None) -> None:
+    # A deadline that already fired cannot move; its cancellation is on its way anyway.
+    with contextlib.suppress(RuntimeError):
+        timeout.reschedule(when)
+
+
+def _off_deadline(base: type[AbstractConnection]) -> type[AbstractConnection]:
+    """``base`` (plain, TLS or Unix socket, as the URL says) with :class:`_SetupOffDeadline`;
+    a class per client, so that only one client's connections share a TLS context."""
+    return type(f"{base.__name__}SetupOffDeadline", (_SetupOffDeadline, base), {})
+
+
+def _connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Redis | RedisCluster:
     """A client for ``url``; ``?cluster=true`` in the URL selects the Redis Cluster client.
 
     A model's keys share one hash tag, so each script runs on the one node owning its slot.
+    The cluster client builds its own connections: there, setting one up still counts
+    against the call that needed it (within ``connect_timeout_s`` at most).
     """
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
@@ -102,14 +220,16 @@ def _connect(url: str, socket_timeout_s: float) -> Redis | RedisCluster:
     url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
     options: dict[str, Any] = {
         "socket_timeout": socket_timeout_s,
-        "socket_connect_timeout": socket_timeout_s,
-        # One immediate retry replaces a pooled connection that died with a Redis restart;
-        # every script is idempotent, and the caller's deadline still bounds the total.
-        "retry": Retry(NoBackoff(), 1),
+        "socket_connect_timeout": connect_timeout_s,
+        # No retries inside redis-py: RedisPrefixIndex._eval retries a dead connection itself,
+        # so that every reconnect goes through _SetupOffDeadline.connect.
+        "retry": Retry(NoBackoff(), 0),
     }
     if cluster:
         return RedisCluster.from_url(url, **options)
-    return Redis.from_url(url, health_check_interval=0, **options)
+    options.update(health_check_interval=0, **parse_url(url))  # the URL's options win
+    options["connection_class"] = _off_deadline(options.get("connection_class", Connection))
+    return Redis.from_pool(ConnectionPool(**options))
 
 
 _QUERY_PASSWORD = re.compile(r"(^|[&;])(password=)[^&;]*", re.IGNORECASE)
@@ -155,13 +275,29 @@ def unavailable(exc: BaseException, url: str) -> IndexUnavailable:
 async def check_redis(url: str, timeout_s: float = 5.0) -> None:
     """One PING, so that a deployment fails at start-up with the reason (wrong password, TLS,
     unreachable) instead of serving with prefix routing silently off."""
-    client = _connect(url, timeout_s)
+    client = _connect(url, timeout_s, timeout_s)
     try:
         await asyncio.wait_for(client.ping(), timeout_s)
     except (RedisError, OSError, asyncio.TimeoutError) as exc:
         raise unavailable(exc, url) from None
     finally:
         await client.aclose()
+
+
+def tail_record(chain: Sequence[bytes], from_block: int, start: int) -> bytes:
+    """The sampled tail of a prediction (``lua/_tails.lua``, less the expiry Redis adds):
+    ``_TAIL_SAMPLES`` blocks spread evenly over ``chain[start:]``, its first and last included;
+    empty when the chain ends before ``start``."""
+    n = len(chain) - start
+    if n <= 0:
+        return b""
+    count = min(n, _TAIL_SAMPLES)
+    positions = [start + k * (n - 1) // max(1, count - 1) for k in range(count)]
+    pack_digests([chain[p] for p in positions])  # ValueError on a malformed digest
+    parts = [_TAIL_HEAD.pack(from_block, count)]
+    for p in positions:
+        parts += (_TAIL_POS.pack(p), chain[p])
+    return b"".join(parts)
 
 
 def _code(worker_id: int) -> bytes:
@@ -188,12 +324,13 @@ class RedisPrefixIndex:
         self.lease_ttl_ms = max(1, int(settings.lease_ttl_s * 1000))
         self.lease_ttl_s = self.lease_ttl_ms / 1000
         self.predict_ttl_ms = max(1, int(settings.predict_ttl_s * 1000))
+        self.predict_exact_blocks = settings.predict_exact_blocks
         self._url = url
-        self._redis = _connect(url, self.admin_deadline_s)
+        self._redis = _connect(url, self.admin_deadline_s, settings.connect_timeout_s)
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
-        self._k_lv = p + "lv"
+        self._k_lv, self._k_tails = p + "lv", p + "T"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -206,21 +343,37 @@ class RedisPrefixIndex:
 
     # -- plumbing -----------------------------------------------------------------------
 
-    async def _call(self, awaitable: Awaitable[T], deadline_s: float | None = None) -> T:
+    async def _eval(
+        self, name: str, keys: list[str], args: list[Any], deadline_s: float | None = None
+    ) -> Any:
+        """Run script ``name`` within the deadline (default: ``deadline_s``), connection setup
+        not counted (3.11+; on 3.10 the setup counts, but outlives a call that gives up)."""
         deadline = self.deadline_s if deadline_s is None else deadline_s
         try:
             if _HAS_TIMEOUT:  # no extra task per call, unlike wait_for before 3.12
-                async with asyncio.timeout(deadline):
-                    return await awaitable
-            return await asyncio.wait_for(awaitable, deadline)
+                async with asyncio.timeout(deadline) as timeout:
+                    token = _CALL_DEADLINE.set((timeout, deadline))
+                    try:
+                        return await self._attempt(name, keys, args)
+                    finally:
+                        _CALL_DEADLINE.reset(token)
+            return await asyncio.wait_for(self._attempt(name, keys, args), deadline)
         except asyncio.TimeoutError:
             msg = f"redis did not answer within {deadline * 1000:.0f} ms"
             raise IndexUnavailable(msg) from None
         except (RedisError, OSError) as exc:
             raise unavailable(exc, self._url) from exc
 
-    def _run(self, name: str, keys: list[str], args: list[Any]) -> Awaitable[Any]:
-        return self._scripts[name](keys=keys, args=args)
+    async def _attempt(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        script = self._scripts[name]
+        try:
+            return await script(keys=keys, args=args)
+        except ConnectionError as exc:
+            if isinstance(exc, AuthenticationError):
+                raise
+            # A pooled connection died (a Redis restart): once more, on a fresh one. Every
+            # script is idempotent, and the caller's deadline still bounds the total.
+            return await script(keys=keys, args=args)
 
     def _w(self, worker_id: int) -> str:
         return f"{self._prefix}w:{worker_id}"
@@ -240,14 +393,14 @@ class RedisPrefixIndex:
         keys = [self._k_reg, self._k_ids, self._k_live, self._k_rv, self._k_name]
         args = [self._prefix, replica_id, epoch, block_size, fingerprint, node,
                 self.lease_ttl_ms, self.model]
-        code, worker_id = await self._call(self._run("register", keys, args))
+        code, worker_id = await self._eval("register", keys, args)
         expect(code, f"register {replica_id} epoch {epoch} in {{{self.tag}}}")
         return int(worker_id)
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
         keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv]
         args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
-        code = await self._call(self._run("heartbeat", keys, args))
+        code = await self._eval("heartbeat", keys, args)
         what = f"heartbeat of worker {worker_id}"
         return expect(code, what, ResultCode.OK, ResultCode.UNKNOWN_WORKER) is ResultCode.OK
 
@@ -258,7 +411,7 @@ class RedisPrefixIndex:
 
     async def live_workers(self) -> list[WorkerInfo]:
         keys = [self._k_live, self._k_rv]
-        rv, flat = await self._call(self._run("live", keys, [self._prefix]))
+        rv, flat = await self._eval("live", keys, [self._prefix])
         workers = []
         for i in range(0, len(flat), 2):
             try:
@@ -282,7 +435,7 @@ class RedisPrefixIndex:
         keys = [self._w(batch.worker_id), self._r(batch.worker_id)]
         args = [self._prefix, batch.worker_id, batch.epoch, batch.seq,
                 encode_events(batch.events)]
-        code = await self._call(self._run("apply", keys, args))
+        code = await self._eval("apply", keys, args)
         what = f"apply of worker {batch.worker_id} epoch {batch.epoch} seq {batch.seq}"
         return expect(code, what, ResultCode.OK, ResultCode.STALE_EPOCH, ResultCode.RESYNC_NEEDED)
 
@@ -293,9 +446,7 @@ class RedisPrefixIndex:
         packed_new = pack_digests(list(new))
         keys = [self._w(worker_id), self._r(worker_id)]
         what = f"resync of worker {worker_id} epoch {epoch}"
-        code, old_blob = await self._call(
-            self._run("resync_begin", keys, [epoch]), self.admin_deadline_s
-        )
+        code, old_blob = await self._eval("resync_begin", keys, [epoch], self.admin_deadline_s)
         expect(code, what)
         old = {old_blob[i : i + DIGEST_BYTES] for i in range(0, len(old_blob), DIGEST_BYTES)}
         removes = b"".join(h for h in old if h not in new)
@@ -303,19 +454,19 @@ class RedisPrefixIndex:
         for start in range(0, max(len(removes), len(packed_new)), step):
             args = [self._prefix, worker_id, epoch, removes[start : start + step],
                     packed_new[start : start + step]]
-            code = await self._call(self._run("resync_chunk", keys, args), self.admin_deadline_s)
+            code = await self._eval("resync_chunk", keys, args, self.admin_deadline_s)
             expect(code, what)
-        code = await self._call(
-            self._run("resync_commit", keys, [epoch, seq, packed_new]), self.admin_deadline_s
+        code = await self._eval(
+            "resync_commit", keys, [epoch, seq, packed_new], self.admin_deadline_s
         )
         expect(code, what)
 
     # -- routing --------------------------------------------------------------------------
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv]
+        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails]
         args = [self._prefix, pack_digests(chain), self._lv]
-        rv, codes, recs, lv, loads, walked = await self._call(self._run("lookup", keys, args))
+        rv, codes, recs, lv, loads, walked = await self._eval("lookup", keys, args)
         ids = struct.unpack(f">{len(codes) // 2}H", codes)
         if rv != self._rv or any(wid not in self._workers for wid in ids):
             await self.live_workers()
@@ -352,11 +503,15 @@ class RedisPrefixIndex:
         self._loads[worker_id] = (raw, load)
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
-        """Predicted entries expire after ``predict_ttl_s`` (Redis clock)."""
-        packed = pack_digests(chain[from_block:])
-        if packed:
-            args = [self._prefix, worker_id, self.predict_ttl_ms, packed]
-            await self._call(self._run("predict", [self._k_live], args))
+        """Predicted entries expire after ``predict_ttl_s`` (Redis clock). Blocks up to
+        ``predict_exact_blocks`` past ``from_block`` get one key each; a longer chain's rest is
+        one sampled tail, so a prediction writes O(1) keys however long the prompt."""
+        end = from_block + self.predict_exact_blocks
+        exact = pack_digests(chain[from_block:end])
+        if exact:
+            args = [self._prefix, worker_id, self.predict_ttl_ms, exact,
+                    tail_record(chain, from_block, end), _MAX_TAILS]
+            await self._eval("predict", [self._k_live, self._k_tails], args)
 
     # -- garbage collection ----------------------------------------------------------------
 
@@ -368,17 +523,16 @@ class RedisPrefixIndex:
 
     async def _mark_dead(self, only_id: str) -> list[bytes]:
         keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv]
-        return await self._call(
-            self._run("gc_mark", keys, [self._prefix, only_id]), self.admin_deadline_s
+        return await self._eval(
+            "gc_mark", keys, [self._prefix, only_id], self.admin_deadline_s
         )
 
     async def _collect(self, worker_id: int) -> int:
         keys = [self._w(worker_id), self._r(worker_id), self._k_reg, self._k_rv]
         removed, done = 0, 0
         while not done:
-            n, done = await self._call(
-                self._run("gc_chunk", keys, [self._prefix, worker_id, _GC_CHUNK]),
-                self.admin_deadline_s,
+            n, done = await self._eval(
+                "gc_chunk", keys, [self._prefix, worker_id, _GC_CHUNK], self.admin_deadline_s
             )
             removed += n
         self._workers.pop(worker_id, None)

@@ -64,7 +64,8 @@ from router.serve_compat import (
 
 logger = logging.getLogger("ray.serve")
 
-_LATENCY_BUCKETS_MS = [0.1, 0.25, 0.5, 1, 2, 5, 10, 25, 50, 100, 250]
+_LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
+                      0.25]
 _DEPTH_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
@@ -102,22 +103,31 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
 
         tags = {"deployment": self.deployment_name, "application": self.app_name}
         keys = ("deployment", "application")
+        # Ray exports these as ray_<name> (counters ray_<name>_total); see README "Metrics".
         self._latency = metrics.Histogram(
-            "prefixserve_router_latency_ms",
+            "prefixserve_router_latency_seconds",
             description="Time to rank replicas for one request (hashing, index lookup, policy).",
-            boundaries=_LATENCY_BUCKETS_MS,
+            boundaries=_LATENCY_BUCKETS_S,
             tag_keys=keys,
         ).set_default_tags(tags)
         self._matched = metrics.Histogram(
             "prefixserve_router_matched_blocks",
-            description="Matched prefix depth (blocks) of the chosen replica.",
+            description="Matched prefix depth (blocks) of the replica a request was sent to.",
             boundaries=_DEPTH_BUCKETS,
             tag_keys=keys,
         ).set_default_tags(tags)
+        self._spill = metrics.Counter(
+            "prefixserve_router_spill",
+            description="Requests sent to a replica other than the one with the deepest "
+            "matched prefix, by reason (cost: the ranking preferred a less loaded one; serve: "
+            "Serve sent it past the first choice).",
+            tag_keys=(*keys, "reason"),
+        ).set_default_tags(tags)
         self._failopen = metrics.Counter(
             "prefixserve_router_index_failopen",
-            description="Requests ranked by load only because the index was unset, slow, "
-            "down, not yet checked or incompatible.",
+            description="Requests ranked by load only because the index was unset, slow "
+            "(timeout), down (unavailable), backing off, not yet checked or incompatible, or "
+            "the ranking failed (error).",
             tag_keys=(*keys, "reason"),
         ).set_default_tags(tags)
 
@@ -162,8 +172,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         best = ranking[0]
         state.note_routed(key, best.key, ctx, internal_request_id(pending_request), now)
 
-        self._latency.observe((time.perf_counter() - start) * 1000)
-        self._matched.observe(best.matched_blocks)
+        self._latency.observe(time.perf_counter() - start)
         by_key = {replica_key(r): r for r in candidate_replicas}
         tiers = [[by_key[best.key]]]
         if len(ranking) > 1:
@@ -189,9 +198,16 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
-        """Serve sent it (possibly not to our first choice): record and announce the truth."""
-        prediction = self._state.sent(_request_key(pending_request), replica_key(replica_id),
-                                      internal_request_id(pending_request), time.time())
+        """Serve sent it (possibly not to our first choice): count, record and announce the
+        truth."""
+        key, worker = _request_key(pending_request), replica_key(replica_id)
+        outcome = self._state.outcome(key, worker)
+        if outcome is not None:
+            self._matched.observe(outcome.matched_blocks)
+            if outcome.spill is not None:
+                self._spill.inc(tags={"reason": outcome.spill})
+        prediction = self._state.sent(key, worker, internal_request_id(pending_request),
+                                      time.time())
         if prediction is not None and self._index is not None:
             self._spawn(self._predict(self._index, prediction))
 

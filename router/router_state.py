@@ -132,6 +132,17 @@ class Prediction:
     from_block: int  # the blocks before it are confirmed there already
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """Where a request went, as the routing metrics count it."""
+
+    matched_blocks: int  # credited prefix depth (blocks) on the replica it went to
+    # Why it did not go to the replica with the deepest match: "cost" (the ranking put a
+    # shallower, less loaded replica first), "serve" (Serve sent it past the first choice,
+    # e.g. a full queue); None when it did (or nothing matched anywhere).
+    spill: str | None
+
+
 _INTERNAL = {"internal": True}  # set by the app from other sections, not by users
 
 
@@ -274,6 +285,21 @@ class RouterState:
             for stale in [k for k, r in self.routed.items()
                           if now - r.routed_at > _ROUTED_MAX_AGE_S]:
                 del self.routed[stale]
+
+    def outcome(self, key: int, worker: str) -> Outcome | None:
+        """How a request Serve is sending to ``worker`` fares against its deepest cached prefix
+        (call before :meth:`sent`); None for a request this router never ranked."""
+        ctx = self.contexts.get(key)
+        if ctx is None:
+            return None
+        depth = ctx.depth.get(worker, 0)
+        deepest = max(ctx.depth.values(), default=0)
+        spill = None
+        if depth < deepest:
+            routed = self.routed.get(key)  # this router's first choice (note_routed)
+            first = routed.worker if routed is not None else worker
+            spill = "serve" if ctx.depth.get(first, 0) >= deepest else "cost"
+        return Outcome(depth, spill)
 
     def sent(self, key: int, worker: str, internal_id: str, now: float) -> Prediction | None:
         """Serve sent the request to ``worker`` (maybe not the first choice): record the truth;

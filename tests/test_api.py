@@ -337,17 +337,28 @@ def test_prometheus_metrics_per_worker(base_url: str) -> None:
     for question in ("one", "two"):
         body = {"prompt": system + question, "max_tokens": 2, "temperature": 0}
         assert post(base_url, "/v1/completions", body).status_code == 200
+    # vLLM's names and labels, as Ray's Serve LLM dashboard queries them (tests/
+    # test_metrics_names.py pins the full set against its panels)
     names = [
-        "ray_prefixserve_prefix_cache_queries", "ray_prefixserve_prefix_cache_hits",
-        "ray_prefixserve_kv_cache_usage_perc", "ray_prefixserve_num_requests_running",
-        "ray_prefixserve_num_requests_waiting", "ray_prefixserve_time_to_first_token_seconds",
-        "ray_prefixserve_inter_token_latency_seconds", "ray_prefixserve_router_latency_ms",
-        "ray_prefixserve_router_matched_blocks",
+        "ray_vllm_prefix_cache_queries_total", "ray_vllm_prefix_cache_hits_total",
+        "ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total",
+        "ray_vllm_request_success_total", "ray_vllm_kv_cache_usage_perc",
+        "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",
+        "ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_request_queue_time_seconds_sum",
+        "ray_vllm_e2e_request_latency_seconds_count",
+        "ray_vllm_request_time_per_output_token_seconds_bucket",
+        "ray_vllm_request_prompt_tokens_sum",
+        "ray_prefixserve_router_latency_seconds_bucket",
+        "ray_prefixserve_router_matched_blocks_count",
     ]
     found = _scrape(names)
     assert all(found.values()), [n for n, lines in found.items() if not lines]
-    hits = [ln for ln in found["ray_prefixserve_prefix_cache_hits"] if 'worker="' in ln]
+    for name in names[:-2]:
+        assert any('model_name="' in ln and 'WorkerId="' in ln for ln in found[name]), name
+    hits = [ln for ln in found["ray_vllm_prefix_cache_hits_total"] if 'worker="' in ln]
     assert hits and max(float(ln.rsplit(" ", 1)[1]) for ln in hits) > 0
+    done = found["ray_vllm_request_success_total"]
+    assert any('finished_reason="length"' in ln for ln in done)
 
 
 @pytest.mark.cluster

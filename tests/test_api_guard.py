@@ -36,7 +36,7 @@ APP = "prefixserve-guard-test"
 KEYS = {"key-a": "tenant-a", "key-b": "tenant-b"}
 A = {"Authorization": "Bearer key-a"}
 B = {"Authorization": "Bearer key-b"}
-NUM_BLOCKS = 32  # 512 tokens of KV: less than the 1,024-token context
+NUM_BLOCKS = 32  # 512 tokens of KV: less than the model's 4,096-token context
 MAX_IN_FLIGHT = 3
 MAX_BODY = 64 * 1024
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(160)]  # 10 full blocks of token ids
@@ -56,8 +56,9 @@ def base_url(redis_url: str) -> Iterator[str]:
     config = ClusterConfig(
         model=BUILTIN_MODEL_NAME,
         redis_url=redis_url, num_workers=1, cpus_per_worker=0.5, cpus_per_ingress=0.25,
-        num_blocks=NUM_BLOCKS, max_model_len=1024, max_num_seqs=16, api_keys=KEYS,
+        num_blocks=NUM_BLOCKS, max_num_seqs=16, api_keys=KEYS,
         max_queued_requests=MAX_IN_FLIGHT, max_request_bytes=MAX_BODY,
+        max_queued_requests_per_tenant=MAX_IN_FLIGHT,  # one tenant may reach the global cap
     )
     try:
         with serve_app(config, APP, headers=A) as url:
@@ -193,7 +194,7 @@ def test_serve_refuses_to_start_on_a_wrong_redis_url(tls_redis: TlsRedis, wrong:
 
 
 def test_prompt_over_kv_capacity_is_400_at_once(base_url: str) -> None:
-    long = [5] * (NUM_BLOCKS * 16 + 10)  # fits the 1,024 context, not the 512-token KV pool
+    long = [5] * (NUM_BLOCKS * 16 + 10)  # fits the model's context, not the 512-token KV pool
     error = envelope(complete(base_url, A, {"prompt": long, "max_tokens": 1}), 400)
     assert error["code"] == "kv_capacity_exceeded"
     assert error["param"] == "prompt"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -162,36 +164,68 @@ async def test_closed_loop_run_respects_concurrency_and_warmup(server: str) -> N
     assert len(Handler.bodies) == 10                     # 2 warm-up + 8 measured
     assert s["completed"] == 8 and s["failed"] == 0
     assert Handler.peak == 3 and s["max_concurrent_requests"] <= 3
+    assert s["max_concurrency"] == 3 and s["request_rate"] == math.inf
+    assert s["backend"] == "openai" and s["model_id"] is None and s["num_prompts"] == 8
+    # RunSpec's defaults are vLLM's: p99 of TTFT, TPOT and ITL
+    assert sorted(k for k in s if k.startswith("p9")) == ["p99_itl_ms", "p99_tpot_ms",
+                                                          "p99_ttft_ms"]
     assert s["prefix_hit_rate"] == pytest.approx(5 / 11)     # the fake caches half the prompt
     assert s["per_worker_requests"] == {"replica-1": 8}
     assert s["request_goodput"] == pytest.approx(s["request_throughput"])
     assert s["mean_ttft_ms"] >= FIRST_DELAY * 1000
 
 
-def test_cli_sweep_writes_json_and_plots(server: str, tmp_path: Path) -> None:
+def test_cli_sweep_writes_json_and_plots(server: str, tmp_path: Path,
+                                         capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "res"
     rc = main(["run", "--base-url", server, "--workload", "random", "--num-prompts", "4",
                "--input-len", "5", "--output-len", "3", "--vocab-size", "2", "--min-token-id",
-               "1", "--request-rate", "50,inf", "--max-concurrency", "2", "--goodput",
-               "ttft:5000", "--save-detailed", "--result-dir", str(out), "--label", "fake",
-               "--no-progress"])
+               "1", "--request-rate", "50,inf", "--max-concurrency", "2", "--burstiness", "0.5",
+               "--model", "m-1", "--goodput", "ttft:5000", "--metric-percentiles", "50,99.9",
+               "--percentile-metrics", "ttft,e2el", "--save-detailed", "--result-dir", str(out),
+               "--label", "fake", "--no-progress"])
     assert rc == 0
     files = sorted(p.name for p in out.iterdir())
     assert files == ["fake-ttft-cdf.png", "fake-vs-rate.png", "fake-worker-load.png",
                      "fake@50.json", "fake@inf.json"]
     doc = json.loads((out / "fake@50.json").read_text())
-    for key in ("duration", "completed", "failed", "request_throughput", "output_throughput",
-                "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "std_ttft_ms",
-                "p90_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "p90_itl_ms", "mean_e2el_ms",
-                "request_goodput", "prefix_hit_rate", "per_worker_requests"):
+    # vLLM `bench serve`'s result fields, with its names and meanings
+    for key in ("date", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                "request_rate", "burstiness", "max_concurrency", "duration", "completed",
+                "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
+                "request_goodput", "output_throughput", "total_token_throughput",
+                "max_concurrent_requests", "input_lens", "output_lens", "ttfts", "itls",
+                "latencies", "start_times", "errors"):
         assert key in doc, key
-    assert doc["completed"] == 4 and doc["request_rate"] == 50
+    assert re.fullmatch(r"\d{8}-\d{6}", doc["date"])            # vLLM's %Y%m%d-%H%M%S
+    assert doc["backend"] == "openai" and doc["label"] == "fake@50"
+    assert doc["model_id"] == "m-1" and doc["tokenizer_id"] is None
+    assert doc["num_prompts"] == 4 and doc["completed"] == 4
+    assert doc["request_rate"] == 50 and doc["burstiness"] == 0.5
+    assert doc["max_concurrency"] == 2 and 1 <= doc["max_concurrent_requests"] <= 2
+    # pNN only for the chosen percentiles of the chosen metrics; mean/median/std for all four
+    assert sorted(k for k in doc if re.fullmatch(r"p[\d.]+_\w+_ms", k)) == [
+        "p50_e2el_ms", "p50_ttft_ms", "p99.9_e2el_ms", "p99.9_ttft_ms"]
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std"):
+            assert f"{stat}_{m}_ms" in doc, (stat, m)
+    assert doc["p99.9_ttft_ms"] >= doc["p50_ttft_ms"] >= FIRST_DELAY * 1000
+    # prefixserve's own figures, under their own names
     assert doc["per_worker_requests"] == {"replica-1": 4}
+    assert doc["prefix_hit_rate"] is not None and "total_cached_tokens" in doc
     assert len(doc["requests"]) == 4 and doc["requests"][0]["ttft"] >= FIRST_DELAY
     assert doc["input_lens"] == [5] * 4 and doc["output_lens"] == [3] * 4
     assert min(doc["ttfts"]) >= FIRST_DELAY and all(len(i) == 2 for i in doc["itls"])
-    assert json.loads((out / "fake@inf.json").read_text())["request_rate"] == "inf"
+    assert all(lat >= ttft for lat, ttft in zip(doc["latencies"], doc["ttfts"], strict=True))
+    assert len(doc["start_times"]) == 4
+    inf = json.loads((out / "fake@inf.json").read_text())
+    assert inf["request_rate"] == "inf" and inf["label"] == "fake@inf"
     assert (out / "fake-vs-rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    for row in ("Maximum request concurrency", "Peak concurrent requests", "P50 TTFT (ms)",
+                "P99.9 TTFT (ms)", "P99.9 E2E latency (ms)", "Mean ITL (ms)"):
+        assert row in printed, row
+    assert "P99.9 ITL" not in printed and "P99 TTFT" not in printed
 
 
 async def test_duration_bound_stops_issuing(server: str) -> None:
@@ -247,3 +281,5 @@ def test_chat_endpoint_sends_decoded_text(server: str, tmp_path: Path) -> None:
         assert msg["role"] == "user" and len(msg["content"]) == 6 and msg["content"].isupper()
     doc = json.loads((tmp_path / "res" / "random@inf.json").read_text())
     assert doc["completed"] == 2 and doc["total_output_tokens"] == 4
+    assert doc["backend"] == "openai-chat" and doc["tokenizer_id"] == str(model)
+    assert doc["max_concurrency"] is None             # unlimited

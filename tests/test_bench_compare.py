@@ -6,7 +6,7 @@ import math
 
 from bench.compare import side_by_side
 from bench.outputs import busiest_first_sums
-from bench.report import median_summary, pooled_label
+from bench.report import format_side_by_side, median_summary, pooled_label, ratio, tail_key
 from bench.runner import RunResult
 
 
@@ -40,6 +40,40 @@ def test_side_by_side_over_launches_prints_medians_and_each_launch_ratio() -> No
     assert "pow2/prefix throughput per launch: 0.50x 1.00x 0.80x" in text
     assert "pow2/prefix TTFT p50 per launch: 4.00x 1.00x 0.50x" in text
     assert "CPU of other processes" not in text  # launches without the CPU reading
+
+
+def test_the_tail_ratio_follows_the_chosen_percentiles() -> None:
+    runs = {name: [[point(f"{name}#{k}@inf", 10.0, 100.0 * k)] for k in (1, 2)]
+            for name in ("prefix", "pow2")}
+    for reps in runs.values():
+        for (r,) in reps:
+            r.summary["p99.9_ttft_ms"] = 3 * r.summary["median_ttft_ms"]
+            r.summary["p99_e2el_ms"] = 1.0
+    runs["pow2"][1][0].summary["p99.9_ttft_ms"] = 1200.0
+    text = side_by_side(runs)
+    assert "pow2/prefix TTFT p99.9 per launch: 1.00x 2.00x" in text
+    assert "TTFT p90 per launch" not in text
+
+
+def test_tail_key_is_the_highest_percentile_written_else_the_median() -> None:
+    assert tail_key({"p50_ttft_ms": 1, "p99_ttft_ms": 2, "p99.9_itl_ms": 3}) == "p99_ttft_ms"
+    assert tail_key({"p99_ttft_ms": 1, "p99.9_ttft_ms": 2}) == "p99.9_ttft_ms"
+    assert tail_key({"p99_e2el_ms": 1, "median_ttft_ms": 2}) == "median_ttft_ms"
+    assert tail_key({"p99_e2el_ms": 1}, "e2el") == "p99_e2el_ms"
+
+
+def test_table_shows_the_concurrency_limit_and_no_ratio_of_infinities() -> None:
+    a = {"completed": 4, "max_concurrency": 8, "request_rate": math.inf,
+         "max_concurrent_requests": 8, "request_throughput": 2.0}
+    b = {**a, "max_concurrent_requests": 6, "request_throughput": 1.0}
+    lines = format_side_by_side({"prefix": a, "pow2": b}).splitlines()
+    row = {line[:34].strip(): line[34:].split() for line in lines[2:]}
+    assert row["Maximum request concurrency"] == ["8", "8", "1.00x"]
+    assert row["Request rate configured (RPS)"] == ["inf", "inf", "-"]
+    assert row["Peak concurrent requests"] == ["8", "6", "0.75x"]
+    assert ratio(math.inf, 2.0) == "-" and ratio(3.0, 2.0) == "1.50x"
+    unlimited = format_side_by_side({"x": {**a, "max_concurrency": None}}, ratios=False)
+    assert "Maximum request concurrency" not in unlimited
 
 
 def test_each_launch_shows_the_cpu_other_processes_took() -> None:

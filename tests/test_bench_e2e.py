@@ -31,6 +31,12 @@ def test_compare_on_the_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["total_input_tokens"] == 8 * 112
     assert doc["total_output_tokens"] == 8 * 6
     assert doc["mean_ttft_ms"] > 0 and doc["mean_tpot_ms"] > 0
+    # vLLM's setup fields, and its default p99 of TTFT, TPOT and ITL
+    assert doc["backend"] == "openai" and doc["model_id"] and doc["request_rate"] == "inf"
+    assert doc["max_concurrency"] == 1 and doc["max_concurrent_requests"] == 1
+    assert doc["p99_ttft_ms"] >= doc["median_ttft_ms"] and "p99_itl_ms" in doc
+    # the machine readings of the cluster's process tree (bench/machine.py)
+    assert doc["own_cpu_cores"] > 0 and doc["own_rss_mib"] > 100
     assert len(doc["requests"]) == 8
     assert sum(doc["per_worker_requests"].values()) == 8
     # One request at a time, so prefix routing keeps each group on the worker that holds its

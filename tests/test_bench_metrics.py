@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 
+from bench.cli import build_parser
 from bench.load import arrival_offsets
-from bench.metrics import RequestResult, from_timeline, parse_goodput, summarize
+from bench.metrics import (
+    RequestResult,
+    from_timeline,
+    parse_goodput,
+    percentile_key,
+    summarize,
+)
+from bench.options import parse_percentile_metrics, parse_percentiles
 
 
 def _req(send: float, times: list[float], out: int, **kw) -> RequestResult:
@@ -44,8 +53,9 @@ def test_summary_throughputs_percentiles_and_hit_rate() -> None:
         for i in range(10)
     ]
     results.append(RequestResult(success=False, error="HTTP 500", prompt_len=10))
-    s = summarize(results, duration=5.0, percentiles=[50, 90, 99])
-    assert s["completed"] == 10 and s["failed"] == 1
+    s = summarize(results, duration=5.0, percentiles=[50, 90, 99],
+                  percentile_metrics=["ttft", "tpot", "itl", "e2el"])
+    assert s["completed"] == 10 and s["failed"] == 1 and s["num_prompts"] == 11
     assert s["total_input_tokens"] == 100 and s["total_output_tokens"] == 20
     assert s["request_throughput"] == pytest.approx(2.0)
     assert s["output_throughput"] == pytest.approx(4.0)
@@ -59,6 +69,8 @@ def test_summary_throughputs_percentiles_and_hit_rate() -> None:
     assert s["mean_itl_ms"] == pytest.approx(50.0)
     assert s["mean_tpot_ms"] == pytest.approx(50.0)
     assert s["mean_e2el_ms"] == pytest.approx(600.0)
+    assert s["p50_e2el_ms"] == pytest.approx(600.0)
+    assert s["p99_tpot_ms"] == pytest.approx(50.0) and s["p90_itl_ms"] == pytest.approx(50.0)
     assert s["prefix_hit_rate"] == pytest.approx(25 / 100)
     assert s["per_worker_requests"] == {"w0": 5, "w1": 5}
     assert s["request_goodput"] is None
@@ -84,9 +96,65 @@ def test_unknown_cached_tokens_give_no_hit_rate() -> None:
     assert s["prefix_hit_rate"] is None
 
 
-def test_peak_concurrency_from_start_and_latency() -> None:
+def test_peak_concurrency_counts_successful_requests_and_ends_before_starts() -> None:
     rs = [_req(0.0, [1.0], out=1, start_time=t) for t in (0.0, 0.5, 0.9, 2.0)]
     assert summarize(rs, 3.0)["max_concurrent_requests"] == 3
+    # one ends at 1.0 as the next starts: [start, end) intervals do not overlap (vLLM's sweep)
+    touching = [_req(0.0, [1.0], out=1, start_time=t) for t in (0.0, 1.0, 2.0)]
+    assert summarize(touching, 3.0)["max_concurrent_requests"] == 1
+    failed = RequestResult(success=False, error="x", start_time=0.2, latency=5.0)
+    assert summarize([*rs, failed], 3.0)["max_concurrent_requests"] == 3
+
+
+# What `vllm bench serve` writes for one run (vllm/benchmarks/serve.py), less its setup fields
+# (tests/test_bench_client.py pins those in a written file) and the per-request lists.
+VLLM_FIELDS = {
+    "num_prompts", "duration", "completed", "failed", "total_input_tokens",
+    "total_output_tokens", "request_throughput", "request_goodput", "output_throughput",
+    "total_token_throughput", "max_concurrent_requests",
+    *(f"{stat}_{m}_ms" for stat in ("mean", "median", "std")
+      for m in ("ttft", "tpot", "itl", "e2el")),
+}
+
+
+def test_summary_uses_vllm_names_and_its_default_percentiles() -> None:
+    s = summarize([_req(0.0, [0.1, 0.2, 0.3], out=3, prompt_len=4)], 1.0)
+    assert set(s) >= VLLM_FIELDS, VLLM_FIELDS - set(s)
+    # by default (vLLM's --metric-percentiles 99 --percentile-metrics ttft,tpot,itl) p99 of
+    # three metrics and no other percentile
+    assert sorted(k for k in s if re.fullmatch(r"p[\d.]+_\w+_ms", k)) == [
+        "p99_itl_ms", "p99_tpot_ms", "p99_ttft_ms"]
+    ours = set(s) - VLLM_FIELDS - {"p99_itl_ms", "p99_tpot_ms", "p99_ttft_ms"}
+    assert ours == {"prefix_hit_rate", "total_cached_tokens", "per_worker_requests",
+                    "error_counts"}
+
+
+def test_percentile_flags_choose_the_pnn_fields() -> None:
+    rs = [_req(0.0, [0.1 * (i + 1), 0.1 * (i + 1) + 0.05], out=2) for i in range(10)]
+    s = summarize(rs, 1.0, percentiles=[25, 99.9], percentile_metrics=["e2el"])
+    assert sorted(k for k in s if re.fullmatch(r"p[\d.]+_\w+_ms", k)) == [
+        "p25_e2el_ms", "p99.9_e2el_ms"]
+    assert s["p25_e2el_ms"] == pytest.approx(float(np.percentile(
+        [100.0 * (i + 1) + 50 for i in range(10)], 25)))
+    assert "mean_ttft_ms" in s and "std_itl_ms" in s          # mean/median/std stay for all
+    assert percentile_key(99.0, "ttft") == "p99_ttft_ms"
+    assert percentile_key(99.9, "itl") == "p99.9_itl_ms"
+    assert percentile_key(0.5, "tpot") == "p0.5_tpot_ms"
+
+
+def test_percentile_flags_parse_as_vllm_reads_them() -> None:
+    ns = build_parser().parse_args(["run"])
+    assert ns.metric_percentiles == "99" and ns.percentile_metrics == "ttft,tpot,itl"
+    assert parse_percentiles(ns.metric_percentiles) == [99.0]
+    assert parse_percentiles("25, 50,99.9") == [25.0, 50.0, 99.9]
+    assert parse_percentile_metrics(ns.percentile_metrics) == ["ttft", "tpot", "itl"]
+    assert parse_percentile_metrics("e2el,ttft") == ["e2el", "ttft"]
+    for bad in ("", "p99", "101", "-1"):
+        with pytest.raises(SystemExit):
+            parse_percentiles(bad)
+    for bad in ("", "ttft,latency", "TTFT"):
+        with pytest.raises(SystemExit):
+            parse_percentile_metrics(bad)
 
 
 def test_arrivals_poisson_mean_gap_and_seed() -> None:

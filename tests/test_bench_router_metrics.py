@@ -14,15 +14,15 @@ TAGS = 'Component="core_worker",application="a",deployment="LLMWorker"'
 
 
 def exposition(counts: dict[str, int], total: float, extra_tags: str = "") -> str:
-    """Prometheus text of ray_prefixserve_router_latency_ms with cumulative bucket counts."""
-    lines = ["# HELP ray_prefixserve_router_latency_ms Time to rank replicas",
-             "# TYPE ray_prefixserve_router_latency_ms histogram"]
+    """Prometheus text of ray_prefixserve_router_latency_seconds with cumulative bucket counts."""
+    lines = ["# HELP ray_prefixserve_router_latency_seconds Time to rank replicas",
+             "# TYPE ray_prefixserve_router_latency_seconds histogram"]
     for le, n in counts.items():
-        lines.append(f'ray_prefixserve_router_latency_ms_bucket{{{TAGS}{extra_tags},le="{le}"}}'
+        lines.append(f'ray_prefixserve_router_latency_seconds_bucket{{{TAGS}{extra_tags},le="{le}"}}'
                      f" {n}.0")
     n = counts["+Inf"]
-    lines.append(f"ray_prefixserve_router_latency_ms_count{{{TAGS}{extra_tags}}} {n}.0")
-    lines.append(f"ray_prefixserve_router_latency_ms_sum{{{TAGS}{extra_tags}}} {total}")
+    lines.append(f"ray_prefixserve_router_latency_seconds_count{{{TAGS}{extra_tags}}} {n}.0")
+    lines.append(f"ray_prefixserve_router_latency_seconds_sum{{{TAGS}{extra_tags}}} {total}")
     lines.append('ray_prefixserve_router_matched_blocks_count{Component="x"} 99.0')
     return "\n".join(lines) + "\n"
 
@@ -46,8 +46,8 @@ def test_quantiles_interpolate_inside_buckets_like_prometheus() -> None:
 
 
 def test_summarize_is_the_difference_of_two_scrapes() -> None:
-    before = parse(exposition({"1.0": 10, "2.0": 10, "+Inf": 10}, 5.0))
-    after = parse(exposition({"1.0": 10, "2.0": 30, "+Inf": 30}, 35.0))
+    before = parse(exposition({"0.001": 10, "0.002": 10, "+Inf": 10}, 0.005))
+    after = parse(exposition({"0.001": 10, "0.002": 30, "+Inf": 30}, 0.035))  # seconds -> ms
     figures = summarize(before, after)
     assert figures["router_latency_samples"] == 20
     assert figures["mean_router_latency_ms"] == pytest.approx(1.5)

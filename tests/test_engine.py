@@ -142,15 +142,60 @@ def test_preemption_by_recompute(llama) -> None:
     assert eng.kv.num_free_blocks == 14
 
 
-def test_sequence_outgrowing_the_whole_pool_ends_with_length(llama) -> None:
+def test_default_context_is_capped_to_the_pool(llama, caplog) -> None:
     path, model = llama
-    eng = engine(path, num_blocks=4)  # 16 token slots
+    with caplog.at_level("WARNING", logger="workers.engine"):
+        eng = engine(path, num_blocks=4)  # 16 token slots; the model's context is 256
+    assert eng.max_model_len == 16
+    assert "max_model_len capped to 16 tokens" in caplog.text and "256" in caplog.text
     (p,) = prompts(10)
     (res,) = eng.generate([p], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
-    # slots 10..15 take 6 decoded tokens; the 7th is sampled but has no slot to be fed from
-    assert res.samples[0].token_ids == hf_greedy(model, p, 7)
+    # the sequence ends at the 16-token context: it never outgrows the pool
+    assert res.samples[0].token_ids == hf_greedy(model, p, 6)
     assert res.samples[0].finish_reason == "length"
     assert eng.kv.num_free_blocks == 4
+    with pytest.raises(InvalidRequestError, match=r"context .* is 16 tokens"):
+        eng.add_request("too-long", [1] * 16, GREEDY)
+
+
+def test_a_configured_context_the_pool_cannot_hold_is_refused_at_start(llama) -> None:
+    path, _ = llama
+    with pytest.raises(ValueError, match=(
+            r"max_model_len 20 needs 5 KV blocks of 4 tokens, but the KV cache has 4 "
+            r"\(16 tokens\): raise kv_cache_memory_bytes or num_blocks, or lower max_model_len")):
+        engine(path, num_blocks=4, max_model_len=20)
+    assert engine(path, num_blocks=4, max_model_len=16).max_model_len == 16
+    assert engine(path, num_blocks=64, max_model_len=100).max_model_len == 100
+
+
+def test_a_late_tenant_is_not_queued_behind_a_flood_and_tokens_equal_fifo(llama) -> None:
+    path, model = llama
+    flood = prompts(*[6] * 50, start=3)
+    (late,) = prompts(9, start=4)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    def run(tenants: bool) -> tuple[dict[str, list[int]], int]:
+        """Tokens per request, and the step that gave "b" its first token."""
+        eng = engine(path, max_num_seqs=4)
+        for i, p in enumerate(flood):
+            eng.add_request(f"a{i}", p, params, tenant="A" if tenants else None)
+        eng.add_request("b", late, params, tenant="B" if tenants else None)
+        outs: dict[str, list[int]] = {}
+        first_b = 0
+        step = 0
+        while eng.has_unfinished():
+            step += 1
+            for o in eng.step():
+                outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                first_b = first_b or (step if o.request_id == "b" else 0)
+        return outs, first_b
+
+    fair, first_fair = run(tenants=True)
+    fifo, first_fifo = run(tenants=False)
+    assert first_fair == 1  # in the first batch, beside A's oldest
+    assert first_fifo > 30  # behind A's 50, four at a time
+    assert fair == fifo  # the order of admission changes no request's tokens
+    assert fair["b"] == hf_greedy(model, late, 3)
 
 
 def test_multi_turn_resend_hits_generated_blocks(llama) -> None:
@@ -312,7 +357,7 @@ def test_logprobs(llama) -> None:
         ([1, 2.5], GREEDY, "integers"),
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
-        ([1] * 100, GREEDY, "cannot fit"),
+        ([1] * 100, GREEDY, "at most what its KV cache holds"),
     ],
 )
 def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, match) -> None:

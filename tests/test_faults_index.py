@@ -82,6 +82,27 @@ async def test_garbage_predicted_entries_are_ignored(index: RedisPrefixIndex, ra
     assert result.matches["B"].predicted_depth == 4
 
 
+async def test_garbage_tails_are_ignored(index: RedisPrefixIndex, raw) -> None:
+    ch = chain_of(10, 100)
+    _a, b = await two_workers(index, ch)
+    code = b.to_bytes(2, "big")
+    # Tails are "13-digit expiry | u32 from | u16 n | n x (u32 position | digest)"; these are
+    # truncated, claim more samples than they hold, or carry no number.
+    far = b"9999999999999"
+    raw.hset(key(index, "T"), mapping={
+        code: far + b"\x00\x00\x00\x00\xff\xff" + b"x" * 7,
+        b"\x00\x63": b"junk",
+        b"\x07": far[:5],
+    })
+    result = await index.lookup(ch)
+    assert {k: (m.confirmed_depth, m.predicted_depth) for k, m in result.matches.items()} == \
+        {"A": (100, 100), "B": (2, 2)}
+    raw.hset(key(index, "T"), code, b"not-a-number!" + b"\x00" * 6 + far + b"\x00" * 20)
+    assert await depths(index, ch) == {"A": 100, "B": 2}
+    await index.predict(ch, b, from_block=2)  # writing over the junk works too
+    assert (await index.lookup(ch)).matches["B"].predicted_depth == 100
+
+
 async def test_junk_in_the_live_set_is_skipped(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(2, 3)
     a, b = await two_workers(index, ch)
@@ -198,7 +219,7 @@ async def test_block_values_with_junk(index: RedisPrefixIndex, raw) -> None:
     assert "A" not in await depths(index, ch)
 
 
-@pytest.mark.parametrize("victim", ["B", "live", "load", "rv", "lv", "reg", "ids"])
+@pytest.mark.parametrize("victim", ["B", "live", "load", "rv", "lv", "reg", "ids", "T"])
 async def test_a_shared_key_of_the_wrong_type_is_unavailable_never_another_error(
     index: RedisPrefixIndex, raw, victim: str
 ) -> None:
@@ -214,6 +235,7 @@ async def test_a_shared_key_of_the_wrong_type_is_unavailable_never_another_error
         lambda: index.heartbeat(a, 1, WorkerLoad()),
         lambda: index.register("Z", epoch=1, block_size=4, fingerprint="fp"),
         lambda: index.predict(ch, a),
+        lambda: index.predict(chain_of(9, 80), a),  # past predict_exact_blocks: a tail
     ):
         with contextlib.suppress(IndexUnavailable):  # the router's fail-open signal
             await call()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
+import struct
 import subprocess
 import time
 import uuid
@@ -27,7 +29,7 @@ from router.index import (
     expect,
     open_index,
 )
-from router.redis_index import RedisPrefixIndex, key_tag
+from router.redis_index import _MAX_TAILS, RedisPrefixIndex, key_tag, tail_record
 from router.redis_scripts import SCRIPTS, source
 
 NS = namespace("test-model")
@@ -313,6 +315,83 @@ async def test_predicted_entries_count_and_expire(redis_server: LocalRedis) -> N
         await idx.close()
 
 
+def sampled(chain: list[bytes], from_block: int, start: int) -> list[int]:
+    """The block positions a prediction's tail samples (from its record)."""
+    rec = tail_record(chain, from_block, start)
+    count = struct.unpack(">H", rec[4:6])[0]
+    return [struct.unpack(">I", rec[6 + 20 * k : 10 + 20 * k])[0] for k in range(count)]
+
+
+@pytest.mark.cluster
+async def test_a_long_prediction_is_a_few_keys_and_keeps_its_depth(
+    redis_server: LocalRedis,
+) -> None:
+    """Past predict_exact_blocks a prediction is one sampled tail, not a key per block: the
+    routed chain's predicted depth stays whole; a chain that leaves it is credited up to the
+    last sample before it leaves (never past it)."""
+    exact = 8
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(predict_exact_blocks=exact, predict_ttl_s=1.0))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        ch = chain_of(30, 300)
+        a = await register(idx, "A")
+        b = await register(idx, "B")
+        await idx.apply(stored(a, 1, ch[:5]))
+        await idx.predict(ch, a, from_block=5)
+        await idx.predict(ch, b)
+        # B's exact blocks 0..7 and A's 5..12: 13 keys, not 300; one tail each.
+        assert len(raw.keys("{" + idx.tag + "}q*")) == 13
+        assert raw.hlen("{" + idx.tag + "}T") == 2
+        result = await idx.lookup(ch)
+        assert depths(result) == {"A": (5, 300), "B": (0, 300)}
+        assert result.blocks_walked == 300  # skipped ahead while both rode their tails
+
+        leaves = ch[:150] + chain_of(31, 20)  # same first 150 blocks, then another prompt
+        got = depths(await idx.lookup(leaves))
+        a_at = max(p for p in sampled(ch, 5, 5 + exact) if p < 150) + 1
+        b_at = max(p for p in sampled(ch, 0, exact) if p < 150) + 1
+        assert got == {"A": (5, a_at), "B": (0, b_at)}
+        assert min(a_at, b_at) >= 150 - 300 // 63 and max(a_at, b_at) <= 150
+        head = max(p for p in sampled(ch, 0, exact) if p < 100) + 1
+        assert depths(await idx.lookup(ch[:100]))["B"] == (0, head)
+
+        # A's prefill confirms blocks past the exact ones: confirmed walk, then the tail.
+        await idx.apply(stored(a, 2, ch[5:200]))
+        assert depths(await idx.lookup(ch)) == {"A": (200, 300), "B": (0, 300)}
+        await idx.deregister(b)  # its tails go with it
+        assert raw.hkeys("{" + idx.tag + "}T") == [a.to_bytes(2, "big")]
+        await asyncio.sleep(1.1)
+        assert depths(await idx.lookup(ch)) == {"A": (200, 200)}
+        assert not raw.exists("{" + idx.tag + "}T")
+    finally:
+        raw.close()
+        await idx.close()
+
+
+@pytest.mark.cluster
+async def test_tails_per_worker_are_bounded_and_a_repeat_replaces_its_own(
+    redis_server: LocalRedis,
+) -> None:
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(predict_exact_blocks=4))
+    raw = redis.Redis.from_url(redis_server.url)
+    try:
+        a = await register(idx, "A")
+        chains = [chain_of(40 + i, 20) for i in range(_MAX_TAILS + 3)]
+        for ch in chains:
+            await idx.predict(ch, a)
+        await idx.predict(chains[-1], a)
+        record = 13 + 6 + 16 * 20  # expiry, from + count, 16 samples (blocks 4..19)
+        assert len(raw.hget("{" + idx.tag + "}T", a.to_bytes(2, "big"))) == _MAX_TAILS * record
+        assert depths(await idx.lookup(chains[-1])) == {"A": (0, 20)}
+        assert depths(await idx.lookup(chains[3])) == {"A": (0, 20)}
+        assert depths(await idx.lookup(chains[0])) == {"A": (0, 4)}  # the oldest tail dropped
+    finally:
+        raw.close()
+        await idx.close()
+
+
 @pytest.mark.cluster
 async def test_long_model_names_get_a_short_tag(redis_server: LocalRedis) -> None:
     name = "meta-llama/Llama-3.1-8B-Instruct-" + uuid.uuid4().hex[:6]
@@ -425,6 +504,132 @@ async def test_tls_via_rediss_url(tls_redis: TlsRedis) -> None:
             await plain.lookup(chain_of(18, 3))
     finally:
         await plain.close()
+
+
+class SlowStartProxy:
+    """A loopback TCP proxy to ``port`` that holds the first chunk of each direction of every
+    connection for ``delay_s``: setting a connection up (TCP, TLS, HELLO/AUTH) takes two
+    delays or more, every later round trip none."""
+
+    def __init__(self, port: int, delay_s: float) -> None:
+        self.port, self.delay_s = port, delay_s
+        self.connections = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def url(self, url: str) -> str:
+        """``url`` (to 127.0.0.1:``port``) through the proxy."""
+        return url.replace(f"127.0.0.1:{self.port}", f"127.0.0.1:{self.listen_port}")
+
+    async def __aenter__(self) -> SlowStartProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.listen_port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+            await asyncio.gather(self._pipe(reader, up_writer), self._pipe(up_reader, writer))
+        except (asyncio.CancelledError, OSError):
+            pass  # the test is over, or a side hung up
+        finally:
+            writer.close()
+            self._tasks.discard(task)
+
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = True
+        try:
+            while data := await reader.read(65536):
+                if first:
+                    await asyncio.sleep(self.delay_s)
+                    first = False
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls+auth"])
+async def test_connection_setup_is_not_counted_in_the_lookup_deadline(
+    request: pytest.FixtureRequest, tls: bool
+) -> None:
+    """Through the proxy a connection takes >= 60 ms to set up, three 20 ms lookup deadlines:
+    lookups still answer within that deadline from the first one on, also when several at once
+    each need a connection of their own."""
+    if tls:
+        server: TlsRedis = request.getfixturevalue("tls_redis")
+        direct, port = server.url, server.tls_port
+    else:
+        direct = request.getfixturevalue("redis_server").url
+        port = int(direct.rsplit(":", 1)[1].split("/")[0])
+    model = model_name()
+    writer = RedisPrefixIndex(direct, model, deadline_s=2.0)
+    ch = chain_of(23, 6)
+    try:
+        a = await register(writer, "A")
+        await writer.apply(stored(a, 1, ch))
+        async with SlowStartProxy(port, delay_s=0.03) as proxy:
+            idx = RedisPrefixIndex(proxy.url(direct), model, deadline_s=0.02)
+            try:
+                start = time.monotonic()
+                assert depths(await idx.lookup(ch)) == {"A": (6, 6)}
+                assert time.monotonic() - start >= 0.06  # the setup alone: past the deadline
+                for result in await asyncio.gather(*(idx.lookup(ch) for _ in range(4))):
+                    assert depths(result) == {"A": (6, 6)}
+                for _ in range(10):
+                    assert depths(await idx.lookup(ch)) == {"A": (6, 6)}
+                assert proxy.connections >= 2
+            finally:
+                await idx.close()
+    finally:
+        await writer.close()
+
+
+@pytest.mark.cluster
+async def test_a_setup_outlives_a_caller_that_gives_up(redis_server: LocalRedis) -> None:
+    """The router caps a lookup at 4 x its deadline; a setup cut short there every time would
+    never finish. It goes on, and the next lookup finds the connection ready."""
+    model = model_name()
+    writer = RedisPrefixIndex(redis_server.url, model, deadline_s=1.0)
+    ch = chain_of(24, 3)
+    try:
+        a = await register(writer, "A")
+        await writer.apply(stored(a, 1, ch))
+        async with SlowStartProxy(redis_server.port, delay_s=0.1) as proxy:
+            idx = RedisPrefixIndex(proxy.url(redis_server.url), model, deadline_s=0.02)
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):  # the router's cap
+                    await asyncio.wait_for(idx.lookup(ch), 0.08)
+                await asyncio.sleep(0.3)
+                assert depths(await idx.lookup(ch)) == {"A": (3, 3)}
+                assert proxy.connections == 1
+            finally:
+                await idx.close()
+    finally:
+        await writer.close()
+
+
+@pytest.mark.cluster
+async def test_connect_timeout_bounds_a_setup_that_hangs(redis_server: LocalRedis) -> None:
+    async with SlowStartProxy(redis_server.port, delay_s=30.0) as proxy:
+        idx = RedisPrefixIndex(proxy.url(redis_server.url), model_name(), deadline_s=0.02,
+                               settings=IndexSettings(connect_timeout_s=0.2))
+        try:
+            start = time.monotonic()
+            with pytest.raises(IndexUnavailable, match="Timeout connecting"):
+                await idx.lookup(chain_of(25, 2))
+            assert 0.2 <= time.monotonic() - start < 1.5
+        finally:
+            await idx.close()
 
 
 @pytest.mark.cluster

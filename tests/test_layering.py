@@ -18,7 +18,7 @@ PACKAGES = ("router", "workers", "cluster", "bench")
 # What `workers` may take from `router`: the block/event/request protocol, the index seam and
 # the publisher that feeds it. Nothing of the routing policies or the Serve router.
 WORKERS_MAY_IMPORT = {"router.blocks", "router.events", "router.index", "router.publisher",
-                      "router.request"}
+                      "router.request", "router.secret_refs"}
 
 
 def module_name(path: Path) -> str:

@@ -95,3 +95,60 @@ def test_newest_running_sequence_is_preempted_and_resumes_first() -> None:
     assert c.token_ids == [200, 201, 202, 203, 7]  # its output is now part of its prompt
     assert c.seq_id not in kv.tables
     assert kv.num_free_blocks == 1
+
+
+def tenant_seq(name: str, tenant: str, n: int = 5, first: int = 0) -> Sequence:
+    s = seq(name, n, first)
+    s.tenant = tenant
+    return s
+
+
+def test_a_flooding_tenant_does_not_hold_another_tenants_request_behind_it() -> None:
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=4, max_num_batched_tokens=100)
+    for i in range(50):
+        sched.add(tenant_seq(f"a{i}", "A", first=10 * i))
+    sched.add(tenant_seq("b", "B", first=1000))
+    # the tenant running fewer goes next; ties to the oldest: A, B, then A's queue in order
+    assert list(run_step(sched)) == ["a0", "b", "a1", "a2"]
+
+
+def test_a_late_tenant_takes_the_next_free_slot() -> None:
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=2, max_num_batched_tokens=100)
+    flood = [tenant_seq(f"a{i}", "A", first=10 * i) for i in range(50)]
+    for s in flood:
+        sched.add(s)
+    assert list(run_step(sched)) == ["a0", "a1"]
+    sched.add(tenant_seq("b", "B", first=1000))
+    sched.add(tenant_seq("b2", "B", first=2000))
+    assert list(run_step(sched)) == ["a0", "a1"]  # full: nobody is admitted
+    sched.finish(flood[0], "stop")
+    assert list(run_step(sched)) == ["a1", "b"]  # not a2, 48 requests ahead of b
+    sched.finish(flood[1], "stop")
+    assert list(run_step(sched)) == ["b", "a2"]  # A now runs fewer than B: FIFO within tenants
+
+
+def test_one_tenant_is_plain_fifo() -> None:
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=3, max_num_batched_tokens=100)
+    queued = [tenant_seq(f"s{i}", "T", first=10 * i) for i in range(6)]
+    for s in queued:
+        sched.add(s)
+    assert list(run_step(sched)) == ["s0", "s1", "s2"]
+    sched.finish(queued[1], "stop")
+    assert list(run_step(sched)) == ["s0", "s2", "s3"]
+    assert list(sched.waiting) == queued[4:]
+
+
+def test_a_preempted_sequence_resumes_before_a_less_served_tenant() -> None:
+    kv = KVCacheManager(6, BS)
+    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=100)
+    a, b, c = tenant_seq("a", "A", 8), tenant_seq("b", "A", 7, 100), tenant_seq("c", "A", 4, 200)
+    for s in (a, b, c):
+        sched.add(s)
+    run_step(sched)
+    d = tenant_seq("d", "B", 4, 300)
+    sched.add(d)
+    assert run_step(sched) == {"a": 1, "b": 1}  # c is preempted
+    assert list(sched.waiting) == [c, d]
+    sched.finish(a, "stop")
+    # B runs nothing and A one, yet c keeps its place at the front as a preempted sequence
+    assert list(run_step(sched)) == ["b", "c", "d"]

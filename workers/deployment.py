@@ -18,7 +18,8 @@ replica while Serve kept routing to it. ``__del__`` (Serve's graceful shutdown h
 in-flight streams get up to ``drain_timeout_s`` to finish, the rest are aborted (their blocks
 freed, their streams ended with "abort"), then the loop stops and the replica deregisters.
 
-Metrics. Prefix-cache, KV-usage, queue, TTFT and inter-token series: `workers.worker_metrics`.
+Metrics. vLLM-named series (tokens, prefix cache, KV usage, queue/TTFT/TPOT/e2e latency,
+finished requests by reason): `workers.worker_metrics`.
 
 Serve options (replicas, ``num_cpus``/``num_gpus``, the request router) are set by whoever wraps
 this class with ``serve.deployment``; :func:`worker_deployment` is the usual way.
@@ -220,7 +221,7 @@ class LLMWorker:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")
         request_id = f"{request.request_id}#{next(self._ids)}"
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        start = time.perf_counter()
+        timing = self._metrics.request(time.perf_counter(), params.n)
         last: float | None = None
         finished = 0
         self._inflight.add(request_id)
@@ -238,13 +239,11 @@ class LLMWorker:
                         and not any(o.finished for step in held for o in step)):
                     continue
                 now = time.perf_counter()
-                if any(o.new_token_ids for step in held for o in step):
-                    if last is None:
-                        self._metrics.ttft.observe(now - start)
-                    else:
-                        self._metrics.itl.observe(now - last)
+                merged = merge_steps(held)
+                if any(o.new_token_ids for o in merged):
                     last = now
-                for out in merge_steps(held):
+                timing.delivered(now, merged, stream.scheduled_at)
+                for out in merged:
                     finished += out.finished
                     yield TokenDelta(
                         index=out.index,
@@ -259,10 +258,13 @@ class LLMWorker:
                 held = []
                 if error is not None:
                     finished = params.n  # the engine already dropped it
+                    if not isinstance(error, InvalidRequestError):  # a 400 is no request
+                        timing.abandoned(time.perf_counter(), "error")
                     raise error
         finally:
             if finished < params.n:
                 self._loop_thread.abort(request_id)
+                timing.abandoned(time.perf_counter(), "abort")
             self._inflight.discard(request_id)
             if not self._inflight:
                 self._drained.set()

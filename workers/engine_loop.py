@@ -36,6 +36,8 @@ class OutputStream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     remaining: int  # samples not finished yet
+    # perf_counter when the engine step that first scheduled it began (its queue time ends)
+    scheduled_at: float | None = None
 
     def send(self, item: list[RequestOutput] | BaseException) -> None:
         with contextlib.suppress(RuntimeError):  # the caller's loop closed: nobody listens
@@ -205,6 +207,7 @@ class EngineLoop(threading.Thread):
                     future.set_exception(exc)
 
     def _step(self) -> None:
+        began = time.perf_counter()
         try:
             outputs = self.engine.step()
         except StepFailedError as exc:
@@ -219,6 +222,7 @@ class EngineLoop(threading.Thread):
         per_request: dict[str, list[RequestOutput]] = {}
         for out in outputs:
             per_request.setdefault(out.request_id, []).append(out)
+        self._note_scheduled(began, per_request)
         for request_id, outs in per_request.items():
             stream = self._streams.get(request_id)
             if stream is None:  # aborted: its caller is gone
@@ -227,6 +231,17 @@ class EngineLoop(threading.Thread):
             if stream.remaining <= 0:
                 del self._streams[request_id]
             stream.send(outs)
+
+    def _note_scheduled(self, began: float, outputs: dict[str, list[RequestOutput]]) -> None:
+        """Stamp the streams whose request this step scheduled for the first time (vLLM's
+        queue time ends there): it is running now, or it already has outputs."""
+        waiting = [(rid, s) for rid, s in self._streams.items() if s.scheduled_at is None]
+        if not waiting:
+            return
+        running = {seq.request_id for seq in self.engine.scheduler.running}
+        for request_id, stream in waiting:
+            if request_id in running or request_id in outputs:
+                stream.scheduled_at = began
 
     def _refresh_stats(self, force: bool) -> None:
         now = time.monotonic()

@@ -32,7 +32,8 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens per engine step (long prefills are chunked)")
     max_model_len: int | None = Field(
-        None, ge=2, description="Context length (prompt + output); default: the model's")
+        None, ge=2, description="Context length (prompt + output), at most the KV cache's; "
+        "default: the model's, capped to the KV cache")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")

@@ -8,6 +8,7 @@ local chunk = redis.call('GETRANGE', KEYS[2], pos * 16, (pos + max) * 16 - 1)
 local removed = remove_blocks(pfx .. 'B', code_of(id), chunk)
 if #chunk < max * 16 then
   redis.call('DEL', KEYS[1], KEYS[2])
+  redis.pcall('HDEL', pfx .. 'T', code_of(id))  -- its sampled tails (pcall: junk is no worry)
   redis.call('SREM', KEYS[3], id)
   redis.call('INCR', KEYS[4])
   return {removed, 1}

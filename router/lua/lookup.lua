@@ -1,12 +1,15 @@
--- KEYS: live, load, rv, lv   ARGV: pfx, chain (16-byte digests), the caller's load version
+-- KEYS: live, load, rv, lv, tails   ARGV: pfx, chain (16-byte digests), the caller's load version
 -- -> {rv, live 2-byte ids, per worker that matched anything: 2-byte id | u32 confirmed |
 --     u32 predicted, lv, loads of the live workers in order (nil when lv is the caller's),
 --     blocks walked}
 -- Walks block by block and stops at the first block no live worker matched (confirmed or
 -- predicted). Blocks are read in HMGET chunks of 8, 16, 32, 64, 64, ... so it reads at most one
 -- chunk past that block; predicted keys are read only where a worker still walking has no
--- confirmed entry (typically one chunk at the end of the walk).
+-- confirmed entry (typically one chunk at the end of the walk). A worker that matched neither
+-- may still ride a sampled tail of a long prediction (_tails.lua) up to its last sample that
+-- matches the chain; while every walker rides one, the walk skips ahead.
 --#include _now.lua
+--#include _tails.lua
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
 local live = {}
@@ -20,7 +23,41 @@ for _, c in ipairs(live) do
   ac[c] = true
   au[c] = true
 end
-local mark, pmark = {}, {}
+local mark, pmark, cover = {}, {}, {}  -- cover: the last block a tail carries a walker to
+local tails = nil  -- worker -> {value, parsed records}, read on the first need
+
+-- the last block (from 1) of the chain that a tail of worker c carries it to from block j, or 0
+local function reach(c, j)
+  if not tails then
+    tails = {}
+    local vals = redis.pcall('HMGET', KEYS[5], unpack(live))
+    if not vals.err then
+      for k, w in ipairs(live) do
+        if vals[k] then tails[w] = {vals[k], parse_tails(vals[k])} end
+      end
+    end
+  end
+  local mine, best = tails[c], 0
+  if not mine then return 0 end
+  local v = mine[1]
+  for _, t in ipairs(mine[2]) do
+    if t.e > now and t.from < j then
+      for k = 0, t.n - 1 do
+        local at = t.at + k * 20
+        local p = struct.unpack('>I4', string.sub(v, at, at + 3))
+        if p >= nblocks then break end
+        if p >= j - 1 then
+          if string.sub(chain, p * 16 + 1, p * 16 + 16) ~= string.sub(v, at + 4, at + 19) then
+            break
+          end
+          if p + 1 > best then best = p + 1 end
+        end
+      end
+    end
+  end
+  return best
+end
+
 local walked, i, chunk = 0, 0, 8
 local prev, clean = nil, false  -- last block's value; clean: every walker was confirmed there
 while nu > 0 and i < nblocks do
@@ -31,6 +68,7 @@ while nu > 0 and i < nblocks do
   end
   local vb = redis.call('HMGET', bkey, unpack(fields))
   local vq, qbase = nil, 0
+  local skip = nil
   for j = i + 1, last do
     walked = j
     local v = vb[j - i]
@@ -40,12 +78,15 @@ while nu > 0 and i < nblocks do
       if v then
         for k = 1, #v, 2 do mark[string.sub(v, k, k + 1)] = j end
       end
-      -- predicted entries matter only for a walker without a confirmed entry here
-      local need = false
+      -- predicted entries matter only for a walker without a confirmed entry or a tail here
+      local need, confirmed = false, true
       for c in pairs(au) do
         if mark[c] ~= j then
-          need = true
-          break
+          confirmed = false
+          if (cover[c] or 0) < j then
+            need = true
+            break
+          end
         end
       end
       if need then
@@ -65,10 +106,15 @@ while nu > 0 and i < nblocks do
         end
       end
       for c in pairs(au) do
-        if mark[c] ~= j and pmark[c] ~= j then
-          au[c] = nil
-          nu = nu - 1
-          if j > 1 then dp[c] = j - 1 end
+        if mark[c] ~= j and pmark[c] ~= j and (cover[c] or 0) < j then
+          local r = reach(c, j)
+          if r >= j then
+            cover[c] = r
+          else
+            au[c] = nil
+            nu = nu - 1
+            if j > 1 then dp[c] = j - 1 end
+          end
         end
       end
       for c in pairs(ac) do
@@ -77,12 +123,26 @@ while nu > 0 and i < nblocks do
           if j > 1 then dc[c] = j - 1 end
         end
       end
-      prev, clean = v, not need
+      prev, clean = v, confirmed
+      -- no confirmed walk left and every walker rides a tail past here: skip to its end
+      if nu > 0 and next(ac) == nil then
+        local low = nblocks
+        for c in pairs(au) do low = math.min(low, cover[c] or 0) end
+        if low > j then
+          skip = low
+          break
+        end
+      end
     end
     if nu == 0 then break end
   end
-  i = last
-  chunk = math.min(chunk * 2, 64)
+  if skip then
+    walked, i, chunk = skip, skip, 8
+    prev, clean = nil, false
+  else
+    i = last
+    chunk = math.min(chunk * 2, 64)
+  end
 end
 for c in pairs(au) do dp[c] = walked end
 for c in pairs(ac) do dc[c] = walked end
