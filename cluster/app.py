@@ -61,7 +61,8 @@ def build_app(config: ClusterConfig) -> Application:
     if config.workers.max_workers_per_node is not None:
         workers = workers.options(max_replicas_per_node=config.workers.max_workers_per_node)
     worker_app = workers.bind(config.model, config.engine, redis_url, model_name,
-                              index=config.index, stream_interval=config.workers.stream_interval)
+                              index=config.index, stream_interval=config.workers.stream_interval,
+                              drain_timeout_s=config.graceful_shutdown_timeout_s)
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress.cpus_per_ingress},

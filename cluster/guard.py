@@ -195,16 +195,17 @@ class Guard:
                 return b"".join(chunks)
 
     def _take_slot(self, tenant: str | None) -> ApiError | None:
-        """Count the request against the tenant's cap, then the replica's; 429 when full."""
+        """Count the request against the replica's cap and the tenant's; 429 when either is
+        full (`tenant_overloaded` when only the tenant's is)."""
+        if Guard.in_flight >= self.settings.max_in_flight:
+            return ApiError(429, "too many requests in flight on this server; retry later",
+                            "rate_limit_error", code="overloaded")
         per_tenant = self.settings.max_in_flight_per_tenant
         held = Guard.tenant_in_flight.get(tenant, 0) if tenant is not None else 0
         if tenant is not None and per_tenant is not None and held >= per_tenant:
             return ApiError(429, f"tenant {tenant!r} has {held} requests in flight on this "
                             "server, its limit; retry later", "rate_limit_error",
                             code="tenant_overloaded")
-        if Guard.in_flight >= self.settings.max_in_flight:
-            return ApiError(429, "too many requests in flight on this server; retry later",
-                            "rate_limit_error", code="overloaded")
         Guard.in_flight += 1
         if tenant is not None:
             Guard.tenant_in_flight[tenant] = held + 1

@@ -45,16 +45,16 @@ class IndexSettings(BaseModel):
         2.0, gt=0.0, description="Lifetime of routing-time predicted index entries")
     predict_exact_blocks: int = Field(
         64, ge=1, description="Blocks past the worker's confirmed depth that a prediction "
-        "writes one index key each (exact depths); the rest of a longer prompt is one sampled "
-        "record, so a 128k-token prompt costs ~70 keys, not 8,000")
+        "writes as one index key each (exact depths); the rest of a longer prompt is one "
+        "sampled record, so a 128k-token prompt writes 64 keys, not 8,000")
     publish_deadline_s: float = Field(
         0.5, gt=0.0, description="Deadline of a worker's index calls (events, heartbeats): off "
         "the request path, so it can be generous; routers use lookup_deadline_s")
     admin_deadline_s: float = Field(
         1.0, gt=0.0, description="Deadline of maintenance calls (register, resync, GC)")
     connect_timeout_s: float = Field(
-        2.0, gt=0.0, description="Time to set up a connection to the index (TCP, TLS, AUTH); "
-        "not counted in any call's deadline, so a TLS Redis a few ms away still serves 20 ms "
+        2.0, gt=0.0, description="Time to set up a connection to the index (TCP, TLS, AUTH), "
+        "kept out of the call deadlines so that a TLS Redis a few ms away still serves 20 ms "
         "lookups")
 
 

@@ -100,9 +100,10 @@ _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
 # the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
 _TAIL_SAMPLES = 64
-# Tails kept per worker: more long prompts than this routed to one worker within
-# predict_ttl_s (each takes seconds to prefill) keep the newest; ~1.3 KB each.
-_MAX_TAILS = 32
+# Tails kept per worker, ~1.3 KB each (a lookup reads the live workers' tails): more long
+# prompts than this routed to one worker within predict_ttl_s, each taking seconds to
+# prefill, keep the newest.
+_MAX_TAILS = 8
 _TAIL_HEAD = struct.Struct(">IH")  # from_block, samples
 _TAIL_POS = struct.Struct(">I")
 
@@ -190,7 +191,7 @@ class _SetupOffDeadline:
 
 
 def _retrieve(task: asyncio.Task) -> None:
-    """A setup nobody waited for any more failed: its caller has already failed open."""
+    """Marks a setup's failure as seen: when every caller gave up, nobody else looks at it."""
     if not task.cancelled():
         task.exception()
 
@@ -505,7 +506,8 @@ class RedisPrefixIndex:
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
         """Predicted entries expire after ``predict_ttl_s`` (Redis clock). Blocks up to
         ``predict_exact_blocks`` past ``from_block`` get one key each; a longer chain's rest is
-        one sampled tail, so a prediction writes O(1) keys however long the prompt."""
+        one sampled tail: a prediction writes at most that many keys and one hash field,
+        however long the prompt."""
         end = from_block + self.predict_exact_blocks
         exact = pack_digests(chain[from_block:end])
         if exact:

@@ -46,7 +46,7 @@ def ref_chain(tokens: list[int], bs: int, ns: bytes = b"") -> list[bytes]:
 
 
 def test_root_and_u32_layout() -> None:
-    assert ROOT == hashlib.sha256(b"prefixserve/block-hash/v1/root").digest()[:16]
+    assert hashlib.sha256(b"prefixserve/block-hash/v1/root").digest()[:16] == ROOT
     assert _u32(0) == b"\x00\x00\x00\x00"
     assert _u32(0x01020304) == b"\x04\x03\x02\x01"
     assert _u32(2**32 - 1) == b"\xff\xff\xff\xff"

@@ -100,6 +100,7 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
         ({"num_workers": 0}, "greater than or equal to 1"),
         ({"policy": "random"}, "'prefix', 'pow2' or 'round_robin'"),
         ({"num_blocks": 10, "kv_cache_memory_bytes": 2**20}, "not both"),
+        ({"num_blocks": 10, "max_model_len": 161}, "needs 11 KV blocks of 16 tokens"),
         ({"cpus_per_worker": 0}, "greater than 0"),
         ({"gpus_per_worker": 2}, "less than or equal to 1"),
         ({"dtype": "int8"}, "'auto', 'float32'"),

@@ -26,6 +26,8 @@ from router.events import AllBlocksCleared, BlockRemoved, BlockStored
 from workers.engine import LLMEngine
 from workers.engine_types import EngineConfig
 from workers.errors import InvalidRequestError
+from workers.kv_tensor import kv_bytes_per_token
+from workers.models.config import load_model_config
 from workers.sampling import SamplingParams
 
 VOCAB = 256
@@ -160,10 +162,13 @@ def test_default_context_is_capped_to_the_pool(llama, caplog) -> None:
 
 def test_a_configured_context_the_pool_cannot_hold_is_refused_at_start(llama) -> None:
     path, _ = llama
+    four_blocks = 4 * 4 * kv_bytes_per_token(load_model_config(path), "float32")
     with pytest.raises(ValueError, match=(
             r"max_model_len 20 needs 5 KV blocks of 4 tokens, but the KV cache has 4 "
             r"\(16 tokens\): raise kv_cache_memory_bytes or num_blocks, or lower max_model_len")):
-        engine(path, num_blocks=4, max_model_len=20)
+        engine(path, num_blocks=None, kv_cache_memory_bytes=four_blocks, max_model_len=20)
+    with pytest.raises(ValueError, match="needs 5 KV blocks of 4 tokens, but num_blocks is 4"):
+        EngineConfig(num_blocks=4, block_size=4, max_model_len=20)  # caught before any loading
     assert engine(path, num_blocks=4, max_model_len=16).max_model_len == 16
     assert engine(path, num_blocks=64, max_model_len=100).max_model_len == 100
 
@@ -381,7 +386,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, m
 def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
     path, _ = llama
     per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x fp32 bytes
-    with caplog.at_level("INFO", logger="workers.engine"):
+    with caplog.at_level("INFO", logger="workers.kv_tensor"):
         eng = engine(path, num_blocks=None, kv_cache_memory_bytes=per_token * 4 * 10 + 100)
     assert eng.kv.num_total_blocks == 10
     assert tuple(eng.kv_cache.shape) == (2, 2, 10, 4, 2, 16)

@@ -58,6 +58,7 @@ def handle(redis_server: LocalRedis):
                 stats_period_s=1.0),
         )
         app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1,
+                              drain_timeout_s=5.0,
                               heartbeat_interval_s=0.2)
         yield serve.run(app, name="routing", route_prefix=None)
     finally:
@@ -277,7 +278,8 @@ def test_a_router_with_the_wrong_fingerprint_refuses_prefix_routing(handle, redi
         request_router_config=request_router_config("prefix", redis_server.url, router,
                                                     IndexSettings()),
     )
-    other = serve.run(wrong.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1),
+    other = serve.run(wrong.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1,
+                                 drain_timeout_s=5.0),
                       name="mismatch", route_prefix=None)
     try:
         p = prefix(5)

@@ -47,7 +47,7 @@ def handle(redis_server: LocalRedis):
                 IndexSettings()),
         )
         app = deployment.bind(model_path, {"block_size": BLOCK, "num_blocks": 128},
-                              redis_server.url, MODEL, stream_interval=1,
+                              redis_server.url, MODEL, stream_interval=1, drain_timeout_s=5.0,
                               heartbeat_interval_s=0.2)
         yield serve.run(app, name="multinode", route_prefix=None)
     finally:

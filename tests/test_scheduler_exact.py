@@ -230,3 +230,152 @@ def test_remove_finished_keeps_the_others_in_order() -> None:
     assert sched.running == seqs
     sched.remove_finished({seqs[1], seqs[3]})
     assert sched.running == [seqs[0], seqs[2]]
+
+
+def fork(sched: Scheduler, parent: Sequence) -> list[Sequence]:
+    """What the engine does when an n > 1 prompt finishes: n - 1 running siblings share its
+    blocks (workers.engine.LLMEngine._fork)."""
+    parent.forked = True
+    children = []
+    for index in range(1, parent.params.n):
+        child = Sequence(f"{parent.seq_id}#{index}", parent.request_id, index,
+                         list(parent.token_ids), parent.num_prompt_tokens, parent.params,
+                         BlockHasher(BS, NS), parent.num_computed_tokens,
+                         parent.num_cached_tokens, SeqStatus.RUNNING, forked=True)
+        child.hasher.append(child.token_ids)
+        sched.kv.fork(parent.seq_id, child.seq_id)
+        sched.running.append(child)
+        children.append(child)
+    return children
+
+
+def test_budget_smaller_than_the_running_set() -> None:
+    sched = scheduler(budget=2)
+    a = seq("a", 2)
+    a.params = SamplingParams(n=4)
+    sched.add(a)
+    out = sched.schedule()
+    assert out.seqs == [a] and out.num_new_tokens == [2]
+    a.num_computed_tokens = 2
+    family = [a, *fork(sched, a)]
+    for i, s in enumerate(family):
+        s.append_token(50 + i)
+    out = sched.schedule()
+    # two decode tokens fill the budget: the other two siblings wait for the next step
+    assert out.seqs == family[:2] and out.num_new_tokens == [1, 1]
+    assert (out.num_prefill_tokens, out.num_decode_tokens) == (0, 2)
+
+
+def test_running_decodes_shrink_the_prefill_budget() -> None:
+    sched = scheduler(budget=8)
+    a, b = seq("a", 3), seq("b", 20, 100)
+    sched.add(a)
+    advance(sched.schedule())
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a, b] and out.num_new_tokens == [1, 7]
+    advance(out)
+    out = sched.schedule()
+    assert out.num_new_tokens == [1, 7]
+
+
+def test_fanout_of_a_fresh_request_must_fit_max_num_seqs() -> None:
+    sched = scheduler(max_num_seqs=4)
+    sched.add(seq("a", 3))
+    advance(sched.schedule())
+    b = seq("b", 3, 100)
+    b.params = SamplingParams(n=4)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == ["a"] and list(sched.waiting) == [b]
+    # alone it is admitted even though it will take all four slots
+    sched.finish(sched.running[0], "stop")
+    out = sched.schedule()
+    assert out.seqs == [b]
+
+
+def test_a_waiting_forked_sample_takes_one_slot() -> None:
+    sched = scheduler(max_num_seqs=4)
+    for i in range(3):
+        sched.add(seq(f"s{i}", 3, 10 * i))
+    advance(sched.schedule())
+    child = seq("c#1", 3, 100)
+    child.params, child.forked = SamplingParams(n=4), True  # a preempted sibling
+    sched.add(child)
+    out = sched.schedule()
+    assert out.seqs[-1] is child and len(sched.running) == 4
+
+
+def test_lone_sequence_that_cannot_grow_ends_the_step() -> None:
+    kv = KVCacheManager(3, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)
+    a, b = seq("a", 20), seq("b", 3, 100)
+    sched.add(a)
+    sched.add(b)
+    advance(sched.schedule())  # a: 8 tokens in 2 blocks; b waits (no budget left)
+    out = sched.schedule()  # a's next chunk needs 2 blocks, 1 is free: a is too long
+    assert out.too_long == [a] and out.seqs == [] and out.preempted == []
+    # nothing else is admitted in that step, though b would fit
+    assert sched.running == [] and list(sched.waiting) == [b]
+    assert kv.block_ids("a") == [0, 1]  # the engine retires it (and frees its blocks)
+
+
+def test_waiting_sequence_that_does_not_fit_stays_queued() -> None:
+    kv = KVCacheManager(2, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = seq("a", 3), seq("b", 9, 100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert out.seqs == [a] and list(sched.waiting) == [b]
+    assert b.status is SeqStatus.WAITING and b.num_cached_tokens == -1
+    assert "b" not in kv.tables
+    assert sched.prompt_tokens_queried == 3
+
+
+def test_prefix_hits_are_shared_and_counted() -> None:
+    kv = KVCacheManager(16, BS)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=100)
+    a = seq("a", 10)
+    sched.add(a)
+    advance(sched.schedule())
+    b, c = seq("b", 10), seq("c", 13)
+    sched.add(b)
+    sched.add(c)
+    out = sched.schedule()
+    assert out.seqs == [a, b, c] and out.num_new_tokens == [1, 2, 5]
+    assert kv.block_ids("a")[:2] == kv.block_ids("b")[:2] == kv.block_ids("c")[:2] == [0, 1]
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [3, 3]
+    assert kv.num_free_blocks == 16 - 3 - 1 - 2
+    assert (sched.prompt_tokens_queried, sched.prompt_tokens_hit) == (33, 16)
+
+
+def tenant(name: str, who: str | None, first: int) -> Sequence:
+    s = seq(name, 3, first)
+    s.tenant = who
+    return s
+
+
+def test_fair_admission_counts_each_admission() -> None:
+    sched = scheduler()
+    sched.add(tenant("a1", "A", 0))
+    sched.add(tenant("b1", "B", 100))
+    advance(sched.schedule())  # running: A 1, B 1
+    a2, a3, b2 = tenant("a2", "A", 200), tenant("a3", "A", 300), tenant("b2", "B", 400)
+    for s in (a2, a3, b2):
+        sched.add(s)
+    out = sched.schedule()
+    # tie (1 each): the oldest, a2; then B runs fewer (1 < 2): b2; then a3
+    assert [s.seq_id for s in out.seqs] == ["a1", "b1", "a2", "b2", "a3"]
+
+
+def test_fair_admission_considers_untagged_requests_too() -> None:
+    sched = scheduler()
+    for i in range(2):
+        sched.add(tenant(f"a{i}", "A", 10 * i))
+    sched.add(tenant("b0", "B", 100))
+    advance(sched.schedule())  # running: A 2, B 1, untagged 0
+    for s in (tenant("a9", "A", 200), tenant("b9", "B", 300), tenant("n", None, 400)):
+        sched.add(s)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs][3:] == ["n", "b9", "a9"]

@@ -25,7 +25,7 @@ GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
 async def make_worker(redis_url: str | None = None, **kwargs) -> LLMWorker:
     worker = LLMWorker.__new__(LLMWorker)
     await worker.__init__(str(ensure_builtin_model()), ENGINE, redis_url, "tiny",
-                          **{"stream_interval": 1, **kwargs})
+                          **{"stream_interval": 1, "drain_timeout_s": 5.0, **kwargs})
     return worker
 
 

@@ -59,7 +59,6 @@ log = logging.getLogger("ray.serve")
 
 _SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 
-DRAIN_TIMEOUT_S = 30.0  # ClusterConfig.graceful_shutdown_timeout_s's default
 STALL_TIMEOUT_S = 60.0  # far above any one step's time, even a long CPU prefill
 DEREGISTER_TIMEOUT_S = 2.0
 ABORT_GRACE_S = 1.0  # for aborted streams' consumers to take their final "abort" delta
@@ -128,9 +127,9 @@ class LLMWorker:
         model_name: str,
         *,
         stream_interval: int,
+        drain_timeout_s: float,
         index: IndexSettings | dict[str, Any] | None = None,
         heartbeat_interval_s: float = 1.0,
-        drain_timeout_s: float = DRAIN_TIMEOUT_S,
         stall_timeout_s: float = STALL_TIMEOUT_S,
     ) -> None:
         """

@@ -30,8 +30,15 @@ from workers.engine_types import (
     SampleOutput,
 )
 from workers.errors import InvalidRequestError, StepFailedError
-from workers.kv_cache import KVCacheManager, cdiv
-from workers.kv_tensor import allocate_kv_cache, blocks_for_budget, copy_blocks, kv_bytes_per_token
+from workers.kv_cache import KVCacheManager
+from workers.kv_tensor import (
+    allocate_kv_cache,
+    blocks_for_budget,
+    copy_blocks,
+    fit_max_model_len,
+    kv_bytes_per_token,
+    log_kv_budget,
+)
 from workers.model_runner import ModelRunner, keep_cpu_heap
 from workers.models.base import CausalLM
 from workers.models.loader import load_model, resolve_device
@@ -51,33 +58,6 @@ class _Request:
     stop_ids: frozenset[int]
     seqs: list[Sequence] = field(default_factory=list)
     num_done: int = 0
-
-
-def fit_max_model_len(
-    configured: int | None, model_len: int, num_blocks: int, block_size: int
-) -> int:
-    """The context the engine serves: no sequence may outgrow the whole KV pool.
-
-    A configured ``max_model_len`` the pool cannot hold is refused at start-up (as vLLM does),
-    so no request is accepted that could never finish; the unconfigured default (the model's
-    context) is capped to the pool instead, so a zero-config start on a small CPU pool works.
-    """
-    pool_tokens = num_blocks * block_size
-    if configured is None:
-        if model_len > pool_tokens:
-            log.warning(
-                "max_model_len capped to %d tokens, what the KV cache holds (%d blocks of %d); "
-                "the model's context is %d: raise kv_cache_memory_bytes or num_blocks to serve it",
-                pool_tokens, num_blocks, block_size, model_len,
-            )
-        return min(model_len, pool_tokens)
-    if cdiv(configured, block_size) > num_blocks:
-        raise ValueError(
-            f"max_model_len {configured} needs {cdiv(configured, block_size)} KV blocks of "
-            f"{block_size} tokens, but the KV cache has {num_blocks} ({pool_tokens} tokens): "
-            "raise kv_cache_memory_bytes or num_blocks, or lower max_model_len"
-        )
-    return configured
 
 
 class LLMEngine:
@@ -105,7 +85,8 @@ class LLMEngine:
         self.dtype = config.dtype_for(device.type)
         per_token = kv_bytes_per_token(mc, self.dtype)
         num_blocks = config.num_blocks or blocks_for_budget(
-            config.kv_cache_memory_bytes, per_token, config.block_size, device
+            config.kv_cache_memory_bytes, per_token, config.block_size, device,
+            config.gpu_memory_utilization,
         )
         self.max_model_len = fit_max_model_len(
             config.max_model_len, mc.max_model_len, num_blocks, config.block_size
@@ -120,23 +101,7 @@ class LLMEngine:
         self._ns_cache: dict[str | None, bytes] = {}
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
-        tokens = num_blocks * config.block_size
-        log.info(
-            "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
-            "%d blocks of %d = %d tokens (%.1f MiB); GQA saves %.0fx over MHA (%d/%d heads)",
-            per_token,
-            mc.num_hidden_layers,
-            mc.num_key_value_heads,
-            mc.head_dim,
-            self.dtype,
-            num_blocks,
-            config.block_size,
-            tokens,
-            per_token * tokens / 2**20,
-            mc.num_attention_heads / mc.num_key_value_heads,
-            mc.num_attention_heads,
-            mc.num_key_value_heads,
-        )
+        log_kv_budget(mc, self.dtype, per_token, num_blocks, config.block_size)
 
     @classmethod
     def from_pretrained(

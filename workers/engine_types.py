@@ -27,7 +27,11 @@ class EngineConfig(BaseModel):
     num_blocks: int | None = Field(
         None, ge=1, description="KV blocks per worker (exact); else from kv_cache_memory_bytes")
     kv_cache_memory_bytes: int | None = Field(
-        None, ge=1, description="KV budget per worker; default 256 MiB on CPU, 80% of free GPU")
+        None, ge=1, description="KV budget per worker; default 256 MiB on CPU, on a GPU what the "
+        "weights leave of gpu_memory_utilization")
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="Fraction of the GPU's memory a worker may use "
+        "(weights + KV pool), as vLLM's --gpu-memory-utilization; sets the default KV budget")
     max_num_seqs: int = Field(64, ge=1, description="Sequences batched per engine step")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="Tokens per engine step (long prefills are chunked)")
@@ -47,6 +51,12 @@ class EngineConfig(BaseModel):
     def _one_pool_size(self) -> EngineConfig:
         if self.num_blocks is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("set num_blocks or kv_cache_memory_bytes, not both")
+        if self.num_blocks is not None and self.max_model_len is not None:
+            needed = -(-self.max_model_len // self.block_size)
+            if needed > self.num_blocks:  # the engine would refuse it at start-up, later
+                raise ValueError(
+                    f"max_model_len {self.max_model_len} needs {needed} KV blocks of "
+                    f"{self.block_size} tokens, but num_blocks is {self.num_blocks}")
         return self
 
     def dtype_for(self, device_type: str) -> str:

@@ -7,17 +7,20 @@ each layer's attention backend its [num_blocks, block_size, kv_heads, head_dim] 
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from workers.kv_cache import cdiv
 from workers.models.base import to_dtype
 
 if TYPE_CHECKING:
     from workers.models.config import ModelConfig
 
+log = logging.getLogger(__name__)
+
 DEFAULT_CPU_KV_BYTES = 256 * 2**20
-DEFAULT_GPU_KV_FRACTION = 0.8  # of the memory free after loading the weights
 
 
 def allocate_kv_cache(
@@ -59,16 +62,61 @@ def copy_blocks(kv_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
 
 
 def blocks_for_budget(
-    budget: int | None, per_token: int, block_size: int, device: torch.device
+    budget: int | None, per_token: int, block_size: int, device: torch.device,
+    gpu_memory_utilization: float,
 ) -> int:
-    """How many blocks `budget` bytes hold; by default 256 MiB on CPU, 80% of free GPU memory."""
+    """How many blocks `budget` bytes hold. By default 256 MiB on CPU; on a GPU what is left of
+    `gpu_memory_utilization` x its memory once the weights (and anything else) are loaded, as
+    vLLM's --gpu-memory-utilization."""
     if budget is None:
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            budget = int(free * DEFAULT_GPU_KV_FRACTION)
+            free, total = torch.cuda.mem_get_info(device)
+            budget = int(total * gpu_memory_utilization) - (total - free)
         else:
             budget = DEFAULT_CPU_KV_BYTES
     num_blocks = budget // (per_token * block_size)
     if num_blocks < 1:
         raise ValueError(f"KV budget of {budget} bytes holds no block")
     return num_blocks
+
+
+def fit_max_model_len(
+    configured: int | None, model_len: int, num_blocks: int, block_size: int
+) -> int:
+    """The context the engine serves: no sequence may outgrow the whole KV pool.
+
+    A configured ``max_model_len`` the pool cannot hold is refused at start-up (as vLLM does),
+    so no request is accepted that could never finish; the unconfigured default (the model's
+    context) is capped to the pool instead, so a zero-config start on a small CPU pool works.
+    """
+    pool_tokens = num_blocks * block_size
+    if configured is None:
+        if model_len > pool_tokens:
+            log.warning(
+                "max_model_len capped to %d tokens, what the KV cache holds (%d blocks of %d); "
+                "the model's context is %d: raise kv_cache_memory_bytes or num_blocks to serve it",
+                pool_tokens, num_blocks, block_size, model_len,
+            )
+        return min(model_len, pool_tokens)
+    if cdiv(configured, block_size) > num_blocks:
+        raise ValueError(
+            f"max_model_len {configured} needs {cdiv(configured, block_size)} KV blocks of "
+            f"{block_size} tokens, but the KV cache has {num_blocks} ({pool_tokens} tokens): "
+            "raise kv_cache_memory_bytes or num_blocks, or lower max_model_len"
+        )
+    return configured
+
+
+def log_kv_budget(
+    mc: ModelConfig, dtype: str, per_token: int, num_blocks: int, block_size: int
+) -> None:
+    """The start-up line operators size pools by: bytes per token, the pool, and GQA's saving."""
+    tokens = num_blocks * block_size
+    log.info(
+        "KV cache: %d bytes/token (2 x %d layers x %d kv heads x %d head_dim x %s), "
+        "%d blocks of %d = %d tokens (%.1f MiB); GQA saves %.0fx over MHA (%d/%d heads)",
+        per_token, mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, dtype,
+        num_blocks, block_size, tokens, per_token * tokens / 2**20,
+        mc.num_attention_heads / mc.num_key_value_heads, mc.num_attention_heads,
+        mc.num_key_value_heads,
+    )

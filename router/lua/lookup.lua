@@ -24,23 +24,23 @@ for _, c in ipairs(live) do
   au[c] = true
 end
 local mark, pmark, cover = {}, {}, {}  -- cover: the last block a tail carries a walker to
-local tails = nil  -- worker -> {value, parsed records}, read on the first need
+local tails, parsed = nil, {}  -- worker -> its tails, read on the first need; parsed on use
 
 -- the last block (from 1) of the chain that a tail of worker c carries it to from block j, or 0
 local function reach(c, j)
   if not tails then
     tails = {}
-    local vals = redis.pcall('HMGET', KEYS[5], unpack(live))
-    if not vals.err then
-      for k, w in ipairs(live) do
-        if vals[k] then tails[w] = {vals[k], parse_tails(vals[k])} end
+    if redis.call('EXISTS', KEYS[5]) == 1 then  -- usually not: no long prompt routed lately
+      local vals = redis.pcall('HMGET', KEYS[5], unpack(live))
+      if not vals.err then
+        for k, w in ipairs(live) do tails[w] = vals[k] end
       end
     end
   end
-  local mine, best = tails[c], 0
-  if not mine then return 0 end
-  local v = mine[1]
-  for _, t in ipairs(mine[2]) do
+  local v, best = tails[c], 0
+  if not v then return 0 end
+  parsed[c] = parsed[c] or parse_tails(v)
+  for _, t in ipairs(parsed[c]) do
     if t.e > now and t.from < j then
       for k = 0, t.n - 1 do
         local at = t.at + k * 20
