@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
 from router.index import IndexUnavailable
-from router.redis_index import check_redis
+from router.redis_connection import check_redis
 from router.routing_policies import ROUTING_POLICIES
 from router.secret_refs import SecretNotFound, is_reference, resolve, url_has_secret
 

@@ -7,7 +7,7 @@ import torch
 from pydantic import ValidationError
 
 from cluster import protocol
-from router.redis_index import safe_url
+from router.redis_connection import safe_url
 from workers import sampling
 from workers.errors import InvalidRequestError
 from workers.sampling import Sampler, SamplingParams
