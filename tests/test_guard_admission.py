@@ -107,7 +107,7 @@ def _envelope(r: httpx.Response, status: int) -> dict:
 
 
 async def test_one_tenant_cannot_take_every_slot() -> None:
-    _configure(max_in_flight_per_tenant=2)
+    _configure(max_in_flight=5, max_in_flight_per_tenant=2)
     stand = Stand()
     with _asgi(stand) as client:
         held = await _held(client, A, 2)  # tenant a floods up to its cap ...
@@ -119,7 +119,7 @@ async def test_one_tenant_cannot_take_every_slot() -> None:
         assert ok.json() == {"tenant": "b", "bytes": 5}  # ... and tenant b is still served
         held += await _held(client, B, 2)
         r = await client.post("/v1/completions", content=b"quick", headers=B)
-        assert _envelope(r, 429)["code"] == "tenant_overloaded"
+        assert _envelope(r, 429)["code"] == "tenant_overloaded"  # one slot left, not b's
         stand.release.set()
         responses = await asyncio.wait_for(asyncio.gather(*held), 10)
         assert [r.status_code for r in responses] == [200] * 4
