@@ -25,6 +25,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from importlib import metadata
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -41,6 +42,7 @@ from cluster.generation import Generation, to_api_error
 from cluster.guard import Guard, GuardSettings, tenant_salt
 from cluster.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     ModelCard,
     ModelList,
@@ -49,7 +51,14 @@ from cluster.protocol import (
     now,
 )
 from cluster.render import Renderer, collect, stream_response, worker_headers
-from cluster.tokenizer import Tokenizer, TokenizerError
+from cluster.tokenize_protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
 from workers.checkpoints import resolve_checkpoint
 from workers.models.config import load_model_config
 
@@ -60,6 +69,8 @@ app.add_middleware(Guard)
 CAPACITY_TIMEOUT_S = 10.0
 INLINE_CHARS = 4096  # text up to this long is tokenized inline (~1 ms); longer: on the pool
 MESSAGE_CHARS = 64  # what a chat message weighs against INLINE_CHARS besides its text
+INLINE_TOKENS = 1024  # token ids up to this many are decoded inline; more: on the pool
+VERSION = metadata.version("prefixserve")
 CPU_THREADS = 4  # the pool for long tokenizing and rendering
 Body = TypeVar("Body", bound=BaseModel)
 T = TypeVar("T")
@@ -131,7 +142,8 @@ class OpenAIIngress:
 
     def __init__(self, workers: DeploymentHandle, model: str, model_name: str,
                  max_model_len: int | None, guard: GuardSettings,
-                 salt_secret: bytes = b"") -> None:
+                 salt_secret: bytes = b"", tokenizer: str | None = None,
+                 chat_template: str | None = None) -> None:
         Guard.configure(guard)
         self.limits = guard
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
@@ -139,7 +151,7 @@ class OpenAIIngress:
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
         model_path = resolve_checkpoint(model)  # on this node: paths differ between nodes
-        self.tokenizer = Tokenizer(model_path)
+        self.tokenizer = Tokenizer(tokenizer or model_path, chat_template)
         config = load_model_config(model_path)
         self.model_name = model_name
         self.render = Renderer(self.tokenizer, model_name)
@@ -162,11 +174,46 @@ class OpenAIIngress:
         self._check_model(model_id)
         return self._card().model_dump()
 
+    @app.get("/version")
+    async def version(self) -> dict[str, str]:
+        return VersionResponse(version=VERSION).model_dump()
+
+    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest))
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt's or a rendered chat's token ids (no generation)."""
+        req = parse_body(TokenizeRequest, await request.body())
+        self._check_model(req.model)
+        if req.messages is not None:
+            param = "messages"
+            ids = await self._chat_ids(req.messages, req.add_generation_prompt,
+                                       req.chat_template_kwargs, req.special_tokens)
+        else:
+            param, prompt = "prompt", req.prompt or ""
+            self._check_chars(len(prompt), param)
+            ids = await self._run(len(prompt) > INLINE_CHARS, self.tokenizer.encode, prompt,
+                                  req.special_tokens)
+        self._check_length(len(ids), param)
+        strs = [self.tokenizer.token_piece(i) for i in ids] if req.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
+                                token_strs=strs).model_dump()
+
+    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids back to text, special tokens included."""
+        req = parse_body(DetokenizeRequest, await request.body())
+        self._check_model(req.model)
+        self._check_length(len(req.tokens), "tokens")
+        self._check_ids(req.tokens, "tokens")
+        text = await self._run(len(req.tokens) > INLINE_TOKENS, self.tokenizer.decode,
+                               req.tokens, False)
+        return DetokenizeResponse(prompt=text).model_dump()
+
     @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
         self._check_model(req.model)
         self._check_stop_ids(req.stop_token_ids)
+        self._check_logit_bias(req.logit_bias_ids)
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
         inputs = req.prompts()
         self._check_cost(len(inputs), req.n, max_tokens, req.logprobs, "logprobs")
@@ -193,14 +240,9 @@ class OpenAIIngress:
         req = parse_body(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
         self._check_stop_ids(req.stop_token_ids)
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-            for m in req.messages
-        ]
-        chars = sum(len(m["content"]) for m in messages)
-        self._check_chars(chars, "messages")
-        heavy = chars + MESSAGE_CHARS * len(messages) > INLINE_CHARS
-        ids = await self._run(heavy, self._encode_chat, messages, req.add_generation_prompt)
+        self._check_logit_bias(req.logit_bias_ids)
+        ids = await self._chat_ids(req.messages, req.add_generation_prompt,
+                                   req.chat_template_kwargs)
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
@@ -235,23 +277,45 @@ class OpenAIIngress:
             if not ids:
                 raise ApiError(400, "prompt encodes to no tokens", param="prompt")
             return ids
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="prompt")
+        self._check_ids(prompt, "prompt")
         return prompt
 
-    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param=param)
+
+    async def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool,
+                        template_kwargs: dict[str, Any] | None,
+                        add_special_tokens: bool = False) -> list[int]:
+        """A conversation's token ids: length-checked, then rendered and tokenized (on the
+        pool when long)."""
+        messages = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             "name": m.name}
+            for m in chat
+        ]
+        chars = sum(len(m["content"]) for m in messages)
+        self._check_chars(chars, "messages")
+        heavy = chars + MESSAGE_CHARS * len(messages) > INLINE_CHARS
+        return await self._run(heavy, self._encode_chat, messages, add_generation_prompt,
+                               template_kwargs, add_special_tokens)
+
+    def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                     template_kwargs: dict[str, Any] | None, add_special_tokens: bool
                      ) -> list[int]:
         """The conversation's token ids; the rendered text is held to the same length bound
         as a prompt before it is tokenized (the template adds text per message)."""
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt)
+            text = self.tokenizer.render_chat(messages, add_generation_prompt, template_kwargs)
+        except TemplateKwargsError as exc:
+            raise ApiError(400, str(exc), param="chat_template_kwargs") from None
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from None
         self._check_chars(len(text), "messages")
         # The template writes BOS itself when the model wants it (as transformers does).
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     async def _run(self, heavy: bool, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`: on the thread pool when heavy, so the event loop keeps serving; else
@@ -264,6 +328,12 @@ class OpenAIIngress:
     def _json_response(render: Callable[..., BaseModel], gen: Generation, *args: Any
                        ) -> JSONResponse:
         return JSONResponse(render(gen, *args).model_dump(), headers=worker_headers(gen))
+
+    def _check_logit_bias(self, bias: dict[int, float]) -> None:
+        bad = [t for t in bias if t >= self.vocab_size]
+        if bad:
+            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
+                           f"[0, {self.vocab_size})", param="logit_bias")
 
     def _check_stop_ids(self, ids: list[int] | None) -> None:
         bad = [t for t in ids or [] if t >= self.vocab_size]
@@ -281,6 +351,12 @@ class OpenAIIngress:
                 "the completion.",
                 param=param, code="context_length_exceeded",
             )
+
+    def _check_length(self, tokens: int, param: str) -> None:
+        if tokens > self.max_model_len:
+            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
+                           f"tokens. However, the {param} has {tokens} tokens.", param=param,
+                           code="context_length_exceeded")
 
     def _check_chars(self, chars: int, param: str) -> None:
         """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing:

@@ -26,7 +26,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from cluster.api import OpenAIIngress
-from cluster.config import API_KEYS_ENV, ClusterConfig
+from cluster.config import API_KEY_ENV, API_KEYS_ENV, ClusterConfig
 from cluster.guard import GuardSettings
 from router.index import IndexSettings
 from router.router_state import RouterSettings
@@ -73,7 +73,9 @@ def build_app(config: ClusterConfig) -> Application:
     # A fresh secret per deploy keys the tenants' cache namespaces: nothing in the index can be
     # recomputed from a guessed prompt (a redeploy starts every tenant's cache cold).
     return ingress.bind(worker_app, config.model, model_name, config.engine.max_model_len,
-                        GuardSettings.of(config.ingress), os.urandom(32))
+                        GuardSettings.of(config.ingress), os.urandom(32),
+                        tokenizer=config.ingress.tokenizer,
+                        chat_template=config.ingress.chat_template)
 
 
 def request_router_config(
@@ -105,8 +107,13 @@ def app_builder(args: dict[str, Any]) -> Application:
     """Serve's application builder: `args` are ClusterConfig fields (strings are coerced).
 
     Serve keeps these args in its config (dashboard, REST API), so API keys may only be named
-    by file here (or set in PREFIXSERVE_API_KEYS), and a Redis password only by reference.
+    by file here (or set in PREFIXSERVE_API_KEYS), `api_key` only by VLLM_API_KEY, and a Redis
+    password only by reference.
     """
+    for key in ("api_key", "api-key"):
+        if args.get(key) is not None:
+            raise ValueError(f"{key} in application args would be stored in Serve's config: set "
+                             f"{API_KEY_ENV} instead")
     for key in ("api_keys", "api-keys"):
         keys = args.get(key)
         if keys is not None and (not isinstance(keys, str) or keys.lstrip()[:1] in ("{", "[")):

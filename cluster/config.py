@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.tokenizer import TokenizerError, compile_chat_template
 from router.index import REDIS_URL_ENV, IndexSettings
 from router.router_state import RouterSettings
 from router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
@@ -40,6 +41,8 @@ DEFAULT_MAX_REQUEST_LOGPROBS = 2**17
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 DEFAULT_IDLE_STREAM_TIMEOUT_S = 30.0
 API_KEYS_ENV = "PREFIXSERVE_API_KEYS"  # JSON object key -> tenant, or a path to such a file
+API_KEY_ENV = "VLLM_API_KEY"  # one key, as vLLM reads it
+API_KEY_TENANT = "default"  # the tenant `api_key` maps to
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 Policy = Literal[POLICY_NAMES]  # the names of router.routing_policies.ROUTING_POLICIES
 
@@ -50,6 +53,21 @@ def _redis_url_from_env() -> str | None:
 
 def _api_keys_from_env() -> Any:
     return os.environ.get(API_KEYS_ENV) or {}
+
+
+def _api_key_from_env() -> str | None:
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _load_chat_template(value: str) -> str:
+    """vLLM's rule: text with a brace or a newline is the template, else a file holding it."""
+    if any(c in value for c in "{}\n"):
+        return value
+    try:
+        return Path(value).expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"is neither a Jinja template nor a readable file: {exc.strerror}"
+                         ) from None
 
 
 def _load_api_keys(value: Any) -> Any:
@@ -156,6 +174,51 @@ class IngressConfig(BaseModel):
         f"{API_KEYS_ENV}. When set, requests need `Authorization: Bearer <key>` (401 else; "
         "/health stays open) and each tenant gets its own prefix-cache namespace")
 
+    api_key: str | None = Field(
+        default_factory=_api_key_from_env, repr=False, min_length=1, description="One API key, "
+        f"as vLLM's --api-key; env {API_KEY_ENV}. It is the tenant `{API_KEY_TENANT}`, alongside "
+        "any api_keys; in a Serve config give it by env only")
+    chat_template: str | None = Field(
+        None, description="Chat template used instead of the tokenizer's (vLLM's "
+        "--chat-template): Jinja text (anything with a brace or newline) or a file holding it")
+    tokenizer: str | None = Field(
+        None, description="Tokenizer used instead of the checkpoint's (vLLM's --tokenizer): a "
+        "directory with tokenizer.json (and tokenizer_config.json, chat_template.jinja) or a "
+        "tokenizer.json file")
+
+    @field_validator("chat_template")
+    @classmethod
+    def _read_chat_template(cls, value: str | None) -> str | None:
+        """The template's text (a file is read here, where the config is made), compiled once so
+        a bad one stops the deploy rather than every ingress replica."""
+        if value is None:
+            return None
+        text = _load_chat_template(value)
+        try:
+            compile_chat_template(text)
+        except TokenizerError as exc:
+            raise ValueError(str(exc)) from None
+        return text
+
+    @field_validator("api_key")
+    @classmethod
+    def _check_api_key(cls, value: str | None) -> str | None:
+        if value is not None and value != value.strip():
+            raise ValueError("the API key must not have surrounding spaces")
+        return value
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _check_tokenizer(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        path = Path(value).expanduser()
+        if not (path / "tokenizer.json").is_file() and not (
+                path.is_file() and path.suffix == ".json"):
+            raise ValueError(f"{path} is neither a directory with tokenizer.json nor a "
+                             "tokenizer.json file")
+        return str(path)
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _parse_api_keys(cls, value: Any) -> Any:
@@ -170,6 +233,14 @@ class IngressConfig(BaseModel):
         if any(not key or key != key.strip() or not tenant for key, tenant in value.items()):
             raise ValueError("API keys (no surrounding spaces) and tenants must not be empty")
         return value
+
+    @property
+    def key_tenants(self) -> dict[str, str]:
+        """Every API key -> its tenant: api_keys, and api_key as tenant `default`."""
+        keys = dict(self.api_keys)
+        if self.api_key is not None:
+            keys.setdefault(self.api_key, API_KEY_TENANT)
+        return keys
 
     @property
     def max_in_flight(self) -> int:
@@ -326,7 +397,8 @@ def _model_leaves(model: type[BaseModel], path: tuple[str, ...]) -> list[Leaf]:
         elif isinstance(kind, type) and dataclasses.is_dataclass(kind):
             leaves += _dataclass_leaves(kind, (*path, name))
         else:
-            from_env = info.default_factory in (_redis_url_from_env, _api_keys_from_env)
+            from_env = info.default_factory in (_redis_url_from_env, _api_keys_from_env,
+                                                _api_key_from_env)
             default = None if from_env else info.get_default(call_default_factory=True)
             leaves.append(Leaf(name, path, str(info.description), default, kind is bool,
                                from_env))

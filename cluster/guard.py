@@ -85,7 +85,7 @@ class GuardSettings:
     def of(cls, ingress: IngressConfig) -> GuardSettings:
         """What an ingress with this config admits. Only digests of the API keys leave it."""
         return cls(
-            key_tenants={key_digest(key): tenant for key, tenant in ingress.api_keys.items()},
+            key_tenants={key_digest(key): tenant for key, tenant in ingress.key_tenants.items()},
             max_in_flight=ingress.max_in_flight,
             max_request_bytes=ingress.max_request_bytes,
             max_in_flight_per_tenant=ingress.max_in_flight_per_tenant,

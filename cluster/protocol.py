@@ -3,8 +3,8 @@
 Requests are validated strictly (no string-to-number coercion, NaN/inf rejected, bounded lists)
 so bad input becomes a clear 400 instead of a surprise deep in the engine. Unknown fields are
 ignored: the official `openai` client and other SDKs send fields we do not act on. Fields that
-would silently change the answer if ignored (penalties, `logit_bias`, `echo`, `suffix`, tools)
-are rejected when set to anything but their neutral value.
+would silently change the answer if ignored (`echo`, `suffix`, `best_of`, `response_format`,
+tools) are rejected when set to anything but their neutral value.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_TOP_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|
+MAX_LOGIT_BIAS = 100.0  # |bias| per token
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: each costs the worker on every step
 
 
 class _Request(BaseModel):
@@ -57,9 +60,13 @@ class _SamplingRequest(_Request):
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     user: str | None = Field(None, max_length=256)
     ignore_eos: bool = False
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS_TOKENS)
+    repetition_penalty: float | None = Field(None, gt=0.0)  # vLLM extension; 1: off
+    min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM extension; 0: off
+    min_tokens: int = Field(0, ge=0)  # vLLM extension: EOS and stop tokens held back until then
+    response_format: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -81,19 +88,42 @@ class _SamplingRequest(_Request):
             raise ValueError("token ids must be non-negative")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalties(cls, value: float | None) -> float | None:
-        if value:
-            raise ValueError("penalties are not supported; omit the field or send 0")
-        return value
-
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise ValueError("logit_bias is not supported")
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (value or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal integers), got {token!r}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}")
         return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError(f"only {{'type': 'text'}} is supported, got type "
+                             f"{value.get('type')!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_min_tokens(self) -> _SamplingRequest:
+        limit = self.max_output_tokens
+        if limit is not None and self.min_tokens > limit:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed the maximum "
+                             f"number of tokens to generate ({limit})")
+        return self
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        """The request's cap on generated tokens per choice; None: the rest of the context."""
+        raise NotImplementedError
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by token id, as `SamplingParams` takes it."""
+        return {int(token): bias for token, bias in (self.logit_bias or {}).items()}
 
     @property
     def stop_strings(self) -> list[str]:
@@ -118,6 +148,13 @@ class _SamplingRequest(_Request):
             fields["seed"] = self.seed
         if self.stop_token_ids:
             fields["stop_token_ids"] = list(self.stop_token_ids)
+        for name in ("repetition_penalty", "frequency_penalty", "presence_penalty", "min_p"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.min_tokens:
+            fields["min_tokens"] = self.min_tokens
+        if self.logit_bias:
+            fields["logit_bias"] = self.logit_bias_ids
         return fields
 
 
@@ -171,6 +208,10 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("best_of is not supported (it must equal n when given)")
         return self
 
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.max_tokens
+
     def prompts(self) -> list[PromptInput]:
         """The prompts as a batch: each one text or token ids."""
         p = self.prompt
@@ -220,13 +261,22 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension, for chat templates
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: template variables
 
     @field_validator("tools")
     @classmethod
     def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         if value:
             raise ValueError("tools are not supported")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+        if value is not None and value != "none":
+            raise ValueError("tools are not supported; omit tool_choice or send \"none\"")
         return value
 
     @model_validator(mode="after")

@@ -19,10 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-from jinja2.ext import loopcontrols
+from jinja2 import Template, nodes
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import Namespace
 from tokenizers import Tokenizer as HFTokenizer
 
 from workers.byte_level import bytes_to_unicode
@@ -38,11 +43,20 @@ DEFAULT_CHAT_TEMPLATE = (
 # Tokens of the prompt's tail decoded along with the output: tokenizers that drop a leading
 # space at the start of a sequence (SentencePiece) then decode the first output token correctly.
 _PROMPT_CONTEXT_TOKENS = 6
+# The named special tokens transformers passes to a chat template (`special_tokens_map`).
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+# Variables the renderer sets itself; `chat_template_kwargs` may not replace them.
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 class TokenizerError(ValueError):
     """The checkpoint's tokenizer files are missing or unusable, or a template failed."""
+
+
+class TemplateKwargsError(TokenizerError):
+    """`chat_template_kwargs` tried to set a variable the renderer owns."""
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
@@ -64,36 +78,41 @@ def _decoder_types(spec: dict | None) -> set[str]:
     return types
 
 
-def _load(path: Path) -> tuple[HFTokenizer, dict[str, Any]]:
-    """The backend tokenizer and `tokenizer_config.json` of a checkpoint directory or a GGUF."""
+def _load(path: Path) -> tuple[HFTokenizer, dict[str, Any], Path | None]:
+    """The backend tokenizer and `tokenizer_config.json` of a checkpoint directory, a GGUF or a
+    bare `tokenizer.json`, and the directory a `chat_template.jinja` may sit in (None for a
+    GGUF: its template is in its metadata)."""
     if path.suffix.lower() == ".gguf" and not path.is_dir():
         from workers.gguf import GGUFFile  # numpy/torch: only when serving a GGUF
         from workers.gguf_tokenizer import build_tokenizer, tokenizer_config
 
         gguf = GGUFFile(path)
-        return build_tokenizer(gguf), tokenizer_config(gguf)
-    tok_file = path / "tokenizer.json"
+        return build_tokenizer(gguf), tokenizer_config(gguf), None
+    tok_file, folder = (path, path.parent) if path.is_file() else (path / "tokenizer.json", path)
     if not tok_file.is_file():
         raise TokenizerError(f"{tok_file} not found: prefixserve needs a fast tokenizer file")
-    config_file = path / "tokenizer_config.json"
+    config_file = folder / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.is_file() else {}
-    return HFTokenizer.from_file(str(tok_file)), config
+    return HFTokenizer.from_file(str(tok_file)), config, folder
 
 
 class Tokenizer:
     """A checkpoint's tokenizer: `tokenizer.json` (+ `tokenizer_config.json`, chat template),
-    or the one in a `.gguf` file's metadata."""
+    or the one in a `.gguf` file's metadata.
 
-    def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        self._tok, config = _load(path)
+    `path` may also be a tokenizer directory or a `tokenizer.json` file (vLLM's `--tokenizer`);
+    `chat_template` (text) replaces the one the tokenizer brings (vLLM's `--chat-template`).
+    """
+
+    def __init__(self, path: str | Path, chat_template: str | None = None) -> None:
+        self._tok, config, folder = _load(Path(path))
         self.special_tokens = {
             name: content
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            for name in _SPECIAL_TOKENS
             if (content := _token_content(config.get(name))) is not None
         }
-        self.chat_template = self._find_chat_template(path, config)
-        self._template = _jinja_env().from_string(self.chat_template)
+        self.chat_template = chat_template or self._find_chat_template(folder, config)
+        self._template = compile_chat_template(self.chat_template)
         spec = json.loads(self._tok.to_str())
         decoders = _decoder_types(spec.get("decoder"))
         self._byte_level = "ByteLevel" in decoders
@@ -110,9 +129,9 @@ class Tokenizer:
         self.max_chars_per_token = longest * (4 if spec.get("normalizer") else 1)
 
     @staticmethod
-    def _find_chat_template(path: Path, config: dict[str, Any]) -> str:
-        jinja_file = path / "chat_template.jinja"  # where transformers >= 4.43 saves it
-        if jinja_file.is_file():
+    def _find_chat_template(folder: Path | None, config: dict[str, Any]) -> str:
+        # chat_template.jinja: where transformers >= 4.43 saves it
+        if folder is not None and (jinja_file := folder / "chat_template.jinja").is_file():
             return jinja_file.read_text()
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
@@ -128,24 +147,37 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                    ) -> str:
-        """The chat template applied to `[{"role", "content"}, ...]`, as text."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> str:
+        """The chat template applied to `[{"role", "content"}, ...]`, as text: what
+        transformers' `apply_chat_template(messages, tokenize=False, ...)` gives. The template
+        sees the named special tokens, `tools` and `documents` (None), then `template_kwargs`
+        (a request's `chat_template_kwargs`, e.g. `enable_thinking`; they may override the
+        special tokens, as in transformers) and the messages, with None-valued keys dropped."""
+        extra = template_kwargs or {}
+        if reserved := sorted(RESERVED_TEMPLATE_VARS & extra.keys()):
+            raise TemplateKwargsError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        variables = {**self.special_tokens, "tools": None, "documents": None, **extra}
         try:
             return self._template.render(
-                messages=messages,
+                variables,
+                messages=[{k: v for k, v in m.items() if v is not None} for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
             )
         except TemplateRaised as exc:
             raise TokenizerError(f"chat template rejected the conversation: {exc}") from None
         except Exception as exc:  # a broken template must be a clear error, not a 500
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
-                    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         # The template writes BOS itself when the model wants it (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt), False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs),
+                           False)
+
+    def token_piece(self, token_id: int) -> str:
+        """A token's vocabulary entry as stored (e.g. "Ġhello"), as vLLM's /tokenize shows it."""
+        return self._tok.id_to_token(token_id) or ""
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (may be part of a multi-byte character)."""
@@ -180,18 +212,80 @@ def _raise_exception(message: str) -> None:
     raise TemplateRaised(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    """transformers' `tojson`: JSON without Jinja's HTML escaping, with json.dumps' options."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's text with it
+    (for training masks); rendering a prompt just renders its body."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.CallBlock:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Macro) -> str:
+        return caller()
+
+
+class _TemplateDict:
+    """`dict(...)` in a template, without the class's attributes (as transformers has it)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(Namespace):
+    """`namespace(...)` refusing underscore attributes, which could reach CPython internals."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature: `self` may be a key
+        self, attrs = args[0], dict(*args[1:], **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check_name(name)  # instance attributes are the namespace's keys
+        Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise SecurityError(f"chat templates may not set {name!r} on a namespace")
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in (sandboxed: templates are data)."""
+    """The environment transformers renders chat templates in (sandboxed: templates are data):
+    same options, extensions, filters and globals, so a template renders byte for byte alike."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+                                        extensions=[_GenerationBlocks, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     return env
+
+
+_ENV = _jinja_env()
+
+
+def compile_chat_template(source: str) -> Template:
+    """A chat template, compiled; a syntax error is a TokenizerError naming its line."""
+    try:
+        return _ENV.from_string(source)
+    except TemplateSyntaxError as exc:
+        raise TokenizerError(f"chat template line {exc.lineno}: {exc.message}") from None
 
 
 @dataclass

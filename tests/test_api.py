@@ -15,6 +15,7 @@ import pytest
 from ray import serve
 from servekit import replica_logs, serve_app, wait_for
 
+from cluster.api import VERSION
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from cluster.render import WORKER_HEADER, sse_body
@@ -260,6 +261,16 @@ def test_openai_client(base_url: str) -> None:
          "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "stream": True, "n": 0}, 400, "n"),
+        ("/v1/completions", {"prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, 400,
+         "repetition_penalty"),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
+         "response_format"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "min_p": 2}, 400, "min_p"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tool_choice": "required"}, 400, "tool_choice"),
     ],
 )
 def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str, status: int,
@@ -271,6 +282,22 @@ def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str,
     assert error["message"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+@pytest.mark.cluster
+def test_vllm_sampling_fields_reach_the_sampler(base_url: str, tok: Tokenizer) -> None:
+    forced = tok.encode("a", add_special_tokens=False)[-1]
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(forced): 100}}
+    r = post(base_url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == tok.decode([forced] * 4)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "seed": 3,
+            "frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
+            "min_p": 0.1, "min_tokens": 6, "top_k": 20, "response_format": {"type": "text"}}
+    r = post(base_url, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 6  # min_tokens: no early EOS
 
 
 @pytest.mark.cluster
@@ -367,3 +394,23 @@ def test_access_log_has_a_line_per_request_by_default(base_url: str) -> None:
     assert resp.status_code == 200
     assert wait_for(lambda: "POST /v1/completions 200" in replica_logs(APP, "OpenAIIngress"), 10)
     assert "CALL generate OK" in replica_logs(APP, "LLMWorker")
+
+
+@pytest.mark.cluster
+def test_vllm_tokenizer_endpoints_over_http(base_url: str, tok: Tokenizer) -> None:
+    """/tokenize, /detokenize and /version in vLLM's shapes, through Serve's proxy."""
+    assert httpx.get(f"{base_url}/version").json() == {"version": VERSION}
+    card = httpx.get(f"{base_url}/v1/models/{BUILTIN_MODEL_NAME}").json()
+    assert (card["id"], card["max_model_len"]) == (BUILTIN_MODEL_NAME, MAX_MODEL_LEN)
+    out = post(base_url, "/tokenize", {"model": BUILTIN_MODEL_NAME, "prompt": "Hello there"})
+    assert out.json() == {"count": len(tok.encode("Hello there")), "max_model_len": MAX_MODEL_LEN,
+                          "tokens": tok.encode("Hello there"), "token_strs": None}
+    chat = [{"role": "user", "content": "Hi"}]
+    assert post(base_url, "/tokenize", {"messages": chat}).json()["tokens"] == \
+        tok.encode_chat(chat)
+    back = post(base_url, "/detokenize", {"tokens": out.json()["tokens"]})
+    assert back.json() == {"prompt": tok.decode(out.json()["tokens"], skip_special_tokens=False)}
+    for path, body in [("/detokenize", {"tokens": [10**9]}), ("/tokenize", {"prompt": 1}),
+                       ("/tokenize", {"model": "nope", "prompt": "x"})]:
+        r = post(base_url, path, body)
+        assert r.status_code in (400, 404) and "error" in r.json(), (path, r.text)

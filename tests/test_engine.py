@@ -80,10 +80,16 @@ def engine(path: Path, **kw) -> LLMEngine:
 
 
 @torch.no_grad()
-def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
-    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = model.generate(torch.tensor([prompt]), generation_config=cfg)
+def hf_generate(model: torch.nn.Module, prompt: list[int], n: int, **kw) -> list[int]:
+    cfg = GenerationConfig(max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+    ids = torch.tensor([prompt])
+    # an explicit mask: inferred from pad_token_id, it would mask out the prompt's 0 tokens
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return out[0, len(prompt) :].tolist()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    return hf_generate(model, prompt, n, eos_token_id=None)
 
 
 def prompts(*lengths: int, start: int = 1) -> list[list[int]]:
@@ -340,6 +346,75 @@ def test_stop_tokens_and_eos_from_generation_config(llama, tmp_path) -> None:
     assert res.samples[0].token_ids == expected
 
 
+@pytest.mark.parametrize("penalty", [0.7, 1.8])
+def test_repetition_penalty_matches_transformers_generate(llama, penalty: float) -> None:
+    path, model = llama
+    batch = prompts(3, 11, 17, 30, start=5)
+    penalized = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                               repetition_penalty=penalty)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    # penalized rows beside plain ones, and through preemption (a 20-block pool)
+    eng = engine(path, num_blocks=20, max_num_seqs=8)
+    results = eng.generate(batch + batch, [penalized] * 4 + [plain] * 4)
+    assert eng.stats().num_preemptions > 0
+    changed = 0
+    for p, r, q in zip(batch, results[:4], results[4:], strict=True):
+        want = hf_generate(model, p, 12, eos_token_id=None, repetition_penalty=penalty)
+        assert r.samples[0].token_ids == want
+        assert q.samples[0].token_ids == hf_greedy(model, p, 12)
+        changed += want != q.samples[0].token_ids
+    assert changed  # the penalty did change some answer
+    # n > 1 forks: every sample keeps its own history
+    (res,) = engine(path).generate([batch[1]], SamplingParams(
+        max_tokens=12, temperature=0, ignore_eos=True, repetition_penalty=penalty, n=3))
+    want = hf_generate(model, batch[1], 12, eos_token_id=None, repetition_penalty=penalty)
+    assert [s.token_ids for s in res.samples] == [want] * 3
+
+
+@torch.no_grad()
+def greedy_by_hand(model: torch.nn.Module, prompt: list[int], n: int, frequency: float,
+                   presence: float, bias: dict[int, float]) -> list[int]:
+    """Greedy over transformers' logits with OpenAI's penalties and logit_bias applied by hand."""
+    out: list[int] = []
+    for _ in range(n):
+        logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+        for t, b in bias.items():
+            logits[t] += b
+        for t in set(out):
+            logits[t] -= frequency * out.count(t) + presence
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_frequency_presence_and_logit_bias_through_the_engine(llama) -> None:
+    path, model = llama
+    batch = prompts(6, 13, start=8)
+    eng = engine(path)
+    base = hf_greedy(model, batch[0], 10)
+    cases = [(1.5, 0.0, {}), (0.0, 2.0, {}), (0.4, 0.3, {base[0]: -5.0, 7: 3.0})]
+    for frequency, presence, bias in cases:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                frequency_penalty=frequency, presence_penalty=presence,
+                                logit_bias=bias or None)
+        for p, r in zip(batch, eng.generate(batch, params), strict=True):
+            assert r.samples[0].token_ids == greedy_by_hand(model, p, 10, frequency, presence,
+                                                            bias)
+
+
+def test_min_tokens_holds_back_stop_tokens_as_transformers(llama) -> None:
+    path, model = llama
+    (p,) = prompts(9)
+    expected = hf_greedy(model, p, 12)
+    stop = expected[1]
+    eng = engine(path)
+    (res,) = eng.generate([p], SamplingParams(max_tokens=12, temperature=0, min_tokens=4,
+                                              stop_token_ids=[stop]))
+    want = hf_generate(model, p, 12, eos_token_id=stop, min_new_tokens=4)
+    assert res.samples[0].token_ids == want
+    assert len(want) > 4 and stop not in want[:4]
+    assert res.samples[0].finish_reason == ("stop" if want[-1] == stop else "length")
+
+
 def test_logprobs(llama) -> None:
     path, _ = llama
     eng = engine(path)
@@ -363,6 +438,7 @@ def test_logprobs(llama) -> None:
         ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
         ([1] * 100, GREEDY, "at most what its KV cache holds"),
+        ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token id 256"),
     ],
 )
 def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, match) -> None:

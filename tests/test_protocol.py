@@ -52,8 +52,22 @@ def test_completion_prompt_forms() -> None:
         ({"prompt": "x", "stop": "x" * 300}, "stop", "at most 256"),
         ({"prompt": "x", "seed": -1}, "seed", "greater than or equal to 0"),
         ({"prompt": "x", "echo": True}, "echo", "not supported"),
-        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-        ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+        ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty", "greater than or equal"),
+        ({"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty", "valid number"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
+        ({"prompt": "x", "min_tokens": 17}, None, "min_tokens (17) must not exceed"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias", "biases must be in [-100"),
+        ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias", "keys must be token ids"),
+        ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
+         "at most 1024"),
+        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format",
+         "only {'type': 'text'}"),
+        ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
+        ({"prompt": "x", "best_of": 2}, None, "best_of is not supported"),
         ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
         ({"prompt": "x", "cache_salt": ""}, "cache_salt", "at least 1 character"),
         ({}, "prompt", "Field required"),
@@ -79,9 +93,14 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted() -> None:
     req = CompletionRequest.model_validate_json(json.dumps({
         "prompt": "x", "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {},
         "best_of": 1, "some_sdk_field": {"a": 1}, "stream_options": {"include_usage": True},
+        "response_format": {"type": "text"}, "min_tokens": 0,
     }))
     assert req.include_usage
     assert "some_sdk_field" not in req.model_dump()
+    ChatCompletionRequest.model_validate_json(json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
+        "response_format": {"type": "text"},
+    }))
 
 
 def test_sampling_fields() -> None:
@@ -96,6 +115,16 @@ def test_sampling_fields() -> None:
     assert req.stop_strings == ["END"]
     assert CompletionRequest.model_validate_json('{"prompt": "x"}').sampling_fields() == {
         "n": 1, "ignore_eos": False,
+    }
+    vllm = ChatCompletionRequest.model_validate_json(json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 8,
+        "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"7": -100, "12": 2.5},
+        "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 8,
+    }))
+    assert vllm.sampling_fields() == {
+        "n": 1, "ignore_eos": False, "frequency_penalty": 0.5, "presence_penalty": -1.0,
+        "logit_bias": {7: -100.0, 12: 2.5}, "repetition_penalty": 1.1, "min_p": 0.05,
+        "min_tokens": 8,
     }
 
 
@@ -129,6 +158,18 @@ def test_chat_messages() -> None:
          "requires logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
          "tools", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+         "tool_choice", "tools are not supported"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tool_choice": {"type": "function", "function": {"name": "f"}}},
+         "tool_choice", "tools are not supported"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "response_format": {"type": "json_schema", "json_schema": {}}},
+         "response_format", "only {'type': 'text'}"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "min_tokens": 4},
+         None, "min_tokens (4) must not exceed"),
+        ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": -100.5}},
+         "logit_bias", "biases must be in"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens", "greater than or equal to 1"),
     ],

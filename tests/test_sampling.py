@@ -40,6 +40,21 @@ def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
         ("seed", "7"),
         ("stop_token_ids", (3, -1)),
         ("stop_token_ids", 3),
+        ("repetition_penalty", 0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", math.inf),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("presence_penalty", math.nan),
+        ("min_p", 1.5),
+        ("min_p", -0.1),
+        ("min_tokens", -1),
+        ("min_tokens", 17),  # above max_tokens (16)
+        ("min_tokens", 1.0),
+        ("logit_bias", {3: 101.0}),
+        ("logit_bias", {-1: 1.0}),
+        ("logit_bias", {"3": 1.0}),
+        ("logit_bias", [(3, 1.0)]),
     ],
 )
 def test_validate_names_the_bad_field(field, value):
@@ -54,6 +69,10 @@ def test_validate_accepts_sane_params_and_lists():
     )
     params.validate()
     assert params.stop_token_ids == (1, 2)
+    SamplingParams(
+        repetition_penalty=1.2, frequency_penalty=-2, presence_penalty=2.0, min_p=1,
+        min_tokens=16, logit_bias={0: -100, 5: 100.0},
+    ).validate()
 
 
 def test_greedy_is_argmax_across_a_batch():

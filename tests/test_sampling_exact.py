@@ -1,4 +1,4 @@
-"""Sampling, exactly: validation messages and bounds, truncation masks, draws on hand-built logits."""
+"""Sampling, exactly: validation messages and bounds, truncation masks, draws on set logits."""
 
 from __future__ import annotations
 
@@ -176,6 +176,20 @@ def test_unseeded_rows_draw_fresh_noise():
     assert seen == {0, 1, 2, 3}
 
 
+def test_unseeded_draws_follow_the_distribution():
+    torch.manual_seed(1)
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = probs.log().expand(2, 3).contiguous()
+    params = [SamplingParams(seed=9), SamplingParams()]  # the unseeded row next to a seeded one
+    gens = [make_generator(params[0]), None]
+    sampler = Sampler()
+    alone = [sampler.sample(logits[:1], [SamplingParams()])[0][0] for _ in range(3000)]
+    beside = [sampler.sample(logits, params, gens)[0][1] for _ in range(3000)]
+    for seen in (alone, beside):
+        freq = torch.bincount(torch.tensor(seen), minlength=3).float() / len(seen)
+        assert torch.allclose(freq, probs, atol=0.03), freq
+
+
 def test_sampled_rows_land_in_their_batch_positions():
     logits = torch.tensor([
         [5.0, 0.0, 0.0, 0.0],
@@ -227,6 +241,23 @@ def test_logprob_of_a_sampled_token_is_the_raw_one():
     assert lps[0] is not None and lps[0].token_id == 2
     assert math.isclose(lps[0].logprob, ref[2].item(), rel_tol=1e-6)
     assert lps[0].top[0][0] == 2 and len(lps[0].top) == 2
+
+
+def test_sampling_keeps_to_the_logits_device_whatever_the_default():
+    """Every tensor the sampler makes lives on the logits' device, not torch's default one."""
+    logits = torch.tensor([[0.0, 4.0, 1.0], [3.0, 0.0, 1.0], [0.0, 1.0, 5.0], [9.0, 0.0, 0.0]])
+    params = [
+        SamplingParams(temperature=0, logprobs=2),
+        SamplingParams(top_k=1, seed=4),
+        SamplingParams(top_k=2, top_p=0.5, temperature=0.5),
+        SamplingParams(top_k=1, logprobs=1),
+    ]
+    with torch.device("meta"):  # a CPU tensor mixed with a meta one raises
+        gens = [None, make_generator(params[1]), None, None]
+        ids, lps = Sampler().sample(logits, params, gens)
+    assert ids == [1, 0, 2, 0]
+    assert lps[0] is not None and [t for t, _ in lps[0].top] == [1, 2]
+    assert lps[3] is not None and lps[3].top == [(0, pytest.approx(lps[3].logprob))]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

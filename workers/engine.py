@@ -39,6 +39,7 @@ from workers.kv_tensor import (
     kv_bytes_per_token,
     log_kv_budget,
 )
+from workers.logits_processors import TokenHistory, needs_history
 from workers.model_runner import ModelRunner, keep_cpu_heap
 from workers.models.base import CausalLM
 from workers.models.loader import load_model, resolve_device
@@ -168,6 +169,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
             )
+        biased = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
+        if biased:  # an out-of-range index would fail the whole batch's step
+            raise InvalidRequestError(
+                f"logit_bias token id {biased[0]} is outside the vocabulary [0, {self.vocab_size})"
+            )
         stop = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             stop.update(self.eos_token_ids)
@@ -265,7 +271,10 @@ class LLMEngine:
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         params = [s.params for s in targets]
         gens = [s.extra["gen"] for s in targets]
-        token_ids, logprobs = self.sampler.sample(logits, params, gens)
+        histories = None
+        if any(needs_history(p) for p in params):
+            histories = [self._history(s) if needs_history(s.params) else None for s in targets]
+        token_ids, logprobs = self.sampler.sample(logits, params, gens, histories)
         done: set[Sequence] = set()
         for seq, tok, lp in zip(targets, token_ids, logprobs, strict=True):
             req = self._requests[seq.request_id]
@@ -285,6 +294,16 @@ class LLMEngine:
                 self._retire(seq, reason, outputs, [tok], lps)
                 done.add(seq)
         self.scheduler.remove_finished(done)
+
+    def _history(self, seq: Sequence) -> TokenHistory:
+        """The sequence's TokenHistory, made at its first penalized step and kept (it caches the
+        prompt's ids on the device)."""
+        history = seq.extra.get("history")
+        if history is None:
+            stop_ids = self._requests[seq.request_id].stop_ids
+            history = TokenHistory(seq.token_ids, seq.num_prompt_tokens, stop_ids)
+            seq.extra["history"] = history
+        return history
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Split a finished prefill into its n samples, sharing every block (CoW on write)."""

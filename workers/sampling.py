@@ -1,6 +1,8 @@
 """Sampling parameters and the batched sampler.
 
-Order of operations (as in HF and vLLM): temperature, then top-k, then top-p, then a draw.
+Order of operations (as in vLLM v1): min_tokens, logit_bias and the penalties on the raw logits
+(workers/logits_processors.py; greedy takes their argmax), then temperature, min_p, top-k,
+top-p, and a draw.
 Reported logprobs are those of the raw model distribution (log_softmax of the unmodified
 logits), as vLLM reports them by default, so they do not depend on temperature or truncation.
 A request with a `seed` draws from its own `torch.Generator` (see `make_generator`), so its
@@ -16,6 +18,7 @@ import torch
 
 from router.request import TokenLogprob
 from workers.errors import InvalidRequestError
+from workers.logits_processors import TokenHistory, apply_min_p, process_logits
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -23,6 +26,8 @@ MAX_SEED = 2**63 - 1  # cluster/protocol.py accepts the same range; seed + index
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): dividing logits by a tiny one
 # overflows to inf (or by one that rounds to 0 in float32, to NaN), and softmax yields NaN.
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's bound)
+MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
 
 
 @dataclass
@@ -36,6 +41,12 @@ class SamplingParams:
     n: int = 1
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per generated token; None => off
+    repetition_penalty: float = 1.0  # > 0; over prompt and output tokens; 1 => off
+    frequency_penalty: float = 0.0  # in [-2, 2]; times each output token's count
+    presence_penalty: float = 0.0  # in [-2, 2]; once per distinct output token
+    min_p: float = 0.0  # in [0, 1]; 0 => off
+    min_tokens: int = 0  # EOS and stop_token_ids are held back until this many were generated
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -76,6 +87,28 @@ class SamplingParams:
         if not isinstance(stops, tuple) or not all(is_int(s) and s >= 0 for s in stops):
             fail("stop_token_ids", "must be non-negative integers")
 
+        def in_range(v, low: float, high: float) -> bool:
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            return ok and low <= v <= high
+
+        r = self.repetition_penalty
+        if not in_range(r, 0, math.inf) or r == 0:
+            fail("repetition_penalty", "must be a finite number > 0 (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not in_range(getattr(self, name), -MAX_PENALTY, MAX_PENALTY):
+                fail(name, f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}]")
+        if not in_range(self.min_p, 0, 1):
+            fail("min_p", "must be in [0, 1]")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", "must be an integer in [0, max_tokens]")
+        bias = self.logit_bias
+        if bias is not None and not (isinstance(bias, dict) and all(
+            is_int(t) and t >= 0 and in_range(b, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            for t, b in bias.items()
+        )):
+            fail("logit_bias", f"must map token ids to biases in [-{MAX_LOGIT_BIAS}, "
+                 f"{MAX_LOGIT_BIAS}]")
+
 
 def make_generator(
     params: SamplingParams, index: int = 0, device: str | torch.device = "cpu"
@@ -99,17 +132,22 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None] | None = None,
+        histories: list[TokenHistory | None] | None = None,
     ) -> tuple[list[int], list[TokenLogprob | None]]:
-        """logits [B, V] float32 -> (token ids [B], per-row TokenLogprob or None)."""
+        """logits [B, V] float32 -> (token ids [B], per-row TokenLogprob or None).
+
+        `histories` (a row's tokens) is needed by rows with min_tokens or penalties only.
+        """
         logits = logits.float()
         rows, _ = logits.shape
         generators = generators or [None] * rows
-        tokens = logits.argmax(dim=-1)
+        processed = process_logits(logits, params, histories)
+        tokens = processed.argmax(dim=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             chosen = self._draw(
-                logits.index_select(0, idx),
+                processed.index_select(0, idx),
                 [params[i] for i in sampled],
                 [generators[i] for i in sampled],
             )
@@ -122,7 +160,7 @@ class Sampler:
     ) -> torch.Tensor:
         device = logits.device
         temp = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temp[:, None]
+        logits = apply_min_p(logits / temp[:, None], params)
         if any(p.top_k > 0 or p.top_p < 1 for p in params):
             logits = _truncate(logits, params)
         probs = logits.softmax(dim=-1)

@@ -1,0 +1,515 @@
+"""The Redis prefix index at fleet scale: 1,000 workers x 30,000 blocks (issue "Scale by
+simulation", item 5).
+
+A fleet of Llama-3-8B workers on 80 GB GPUs holds ~30,000 16-token KV blocks per GPU, so 1,000
+workers put ~30M (block, worker) entries in one model's index. This fills a private redis-server
+(``--mode single``) or a 3-shard Redis Cluster (``--mode cluster``) through the real
+:meth:`RedisPrefixIndex.apply` path, one EventBatch per conversation per worker, and measures:
+
+* the fill rate (block events/s, and Redis CPU per event);
+* Redis memory per (block, worker) entry (``used_memory`` delta / entries);
+* lookup p50 / p99 of stored 128- and 512-block chains: alone, with event traffic applied at a
+  steady rate by background tasks, and with the fleet's heartbeats (1,000 workers, three per
+  lease) on top. Wall time through redis-py plus Redis' own execution time per lookup (SLOWLOG
+  at threshold 0: the server-side time of each EVALSHA, no queueing, no client);
+* apply throughput at saturation (store + evict churn, 32- and 512-block batches).
+
+Fleet content (``--shared-lens``, ``--pool-chains``, ``--zipf``): every worker holds
+``--convs`` conversations of ``--conv-blocks`` blocks. A conversation's first L blocks
+(L drawn from ``--shared-lens``) are a prefix of one of ``--pool-chains`` shared chains (system
+prompts, documents, few-shot preambles) picked with Zipf popularity; the rest is private. So a
+shared block is held by many workers, a private one by one, and a worker that picks the same
+shared chain twice holds its blocks once.
+
+    .venv/bin/python -m bench.index_scale                          # 1,000 x 30,000, one Redis
+    .venv/bin/python -m bench.index_scale --convs 6                # scaled down (3M entries)
+    .venv/bin/python -m bench.index_scale --mode cluster --convs 6 # 3 shards, 3 models
+
+In a Redis Cluster one model's keys share one hash tag, hence one slot, hence one shard: the
+cluster mode fills ``--models`` models whose tags land on different shards, concurrently, and
+reports per-shard fill rate and memory (one model's whole index is on one shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+from redis.crc import key_slot
+
+from cluster.local_redis import LocalRedis
+from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
+from router.index import IndexSettings, ResultCode, open_index
+from router.redis_index import RedisPrefixIndex, key_tag
+
+DIGEST = 16
+BLOCK_SIZE = 16
+
+
+def server_cpu_s(raw: redis.Redis) -> float:
+    """CPU seconds the redis-server has used (user + sys)."""
+    info = raw.info("cpu")
+    return info["used_cpu_user"] + info["used_cpu_sys"]
+
+
+def pct(samples: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``samples`` (nearest rank)."""
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+def split(blob: bytes) -> tuple[bytes, ...]:
+    """A packed digest blob as the tuple of digests an event carries."""
+    return tuple(blob[i : i + DIGEST] for i in range(0, len(blob), DIGEST))
+
+
+@dataclass
+class Fleet:
+    """The content every worker of one model holds, generated reproducibly per worker."""
+
+    workers: int
+    convs: int
+    conv_blocks: int
+    pool_chains: int
+    shared_lens: list[int]
+    zipf: float
+    seed: int
+    pool: list[bytes] = field(default_factory=list)
+    cum: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        self.pool = [rng.randbytes(DIGEST * self.conv_blocks) for _ in range(self.pool_chains)]
+        weights = [1.0 / (rank + 1) ** self.zipf for rank in range(self.pool_chains)]
+        self.cum = list(itertools.accumulate(weights))
+
+    def conversations(self, worker: int) -> Iterator[bytes]:
+        """Worker ``worker``'s conversations as packed digest blobs."""
+        rng = random.Random(self.seed * 1_000_003 + worker)
+        for _ in range(self.convs):
+            shared = rng.choice(self.shared_lens)
+            (chain,) = rng.choices(range(self.pool_chains), cum_weights=self.cum)
+            head = self.pool[chain][: DIGEST * shared]
+            yield head + rng.randbytes(DIGEST * (self.conv_blocks - shared))
+
+
+@dataclass
+class Model:
+    """One model's index in the store, its workers and the chains kept for lookups."""
+
+    name: str
+    index: RedisPrefixIndex
+    raw: redis.Redis  # plain client of the shard holding the model's slot
+    ids: list[int]
+    seqs: dict[int, int]
+    samples: list[bytes] = field(default_factory=list)
+    entries: int = 0
+    blocks: int = 0
+
+
+async def open_model(url: str, name: str, raw: redis.Redis, workers: int) -> Model:
+    """Register ``workers`` replicas of ``name`` (leases long enough for the whole run)."""
+    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0)
+    index = open_index(url, name, deadline_s=30.0, settings=settings)
+    assert isinstance(index, RedisPrefixIndex)
+    ids = [await index.register(f"{name}-gpu-{i}", epoch=1, block_size=BLOCK_SIZE,
+                                fingerprint="llama-3-8b", node=f"node-{i // 8}")
+           for i in range(workers)]
+    return Model(name, index, raw, ids, dict.fromkeys(ids, 0))
+
+
+async def fill(model: Model, fleet: Fleet, concurrency: int, keep: int,
+               rng: random.Random) -> float:
+    """Apply every worker's conversations, one BlockStored batch each, round-robin over the
+    workers as a fleet publishes; returns the seconds it took."""
+    def batches() -> Iterator[tuple[int, bytes]]:
+        gens = [(w, fleet.conversations(i)) for i, w in enumerate(model.ids)]
+        for _ in range(fleet.convs):
+            for w, gen in gens:
+                yield w, next(gen)
+
+    feed = batches()
+    keep_p = keep / (fleet.workers * fleet.convs)
+
+    async def publisher() -> None:
+        for w, blob in feed:
+            model.seqs[w] += 1
+            res = await model.index.apply(EventBatch(w, 1, model.seqs[w],
+                                                     (BlockStored(split(blob)),)))
+            assert res is ResultCode.OK, res
+            if rng.random() < keep_p:
+                model.samples.append(blob)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(publisher() for _ in range(concurrency)))
+    took = time.perf_counter() - start
+    pfx = model.index._prefix
+    pipe = model.raw.pipeline(transaction=False)
+    for w in model.ids:
+        pipe.hget(f"{pfx}w:{w}", "n")
+    model.entries = sum(int(n) for n in pipe.execute())
+    model.blocks = model.raw.hlen(f"{pfx}B")
+    return took
+
+
+class Churn:
+    """Background KV events: ``workers`` workers each store ``batch`` new blocks and evict
+    their previous batch, paced to ``rate`` block events/s in total (0: as fast as it goes)."""
+
+    def __init__(self, model: Model, workers: list[int], batch: int, rate: float) -> None:
+        self.model, self.workers, self.batch, self.rate = model, workers, batch, rate
+        self.events = 0
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _run(self, w: int) -> None:
+        prev: tuple[bytes, ...] = ()
+        interval = len(self.workers) * 2 * self.batch / self.rate if self.rate else 0.0
+        nxt = time.perf_counter()
+        while not self._stop.is_set():
+            blocks = split(os.urandom(DIGEST * self.batch))
+            evs = (BlockStored(blocks), BlockRemoved(prev)) if prev else (BlockStored(blocks),)
+            self.model.seqs[w] += 1
+            res = await self.model.index.apply(EventBatch(w, 1, self.model.seqs[w], evs))
+            assert res is ResultCode.OK, res
+            self.events += len(blocks) + len(prev)
+            prev = blocks
+            if interval:
+                nxt += interval
+                await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+
+    def start(self) -> Churn:
+        self._t0 = time.perf_counter()
+        self._tasks = [asyncio.ensure_future(self._run(w)) for w in self.workers]
+        return self
+
+    async def stop(self) -> float:
+        """Stops the churn; returns the event rate it achieved."""
+        self._stop.set()
+        await asyncio.gather(*self._tasks)
+        return self.events / (time.perf_counter() - self._t0)
+
+
+class Heartbeats:
+    """The fleet's heartbeats: every worker three times per lease (10 s), with a fresh load."""
+
+    def __init__(self, model: Model, per_s: float) -> None:
+        self.model, self.per_s = model, per_s
+        self._stop = asyncio.Event()
+
+    async def _run(self) -> None:
+        i, nxt = 0, time.perf_counter()
+        while not self._stop.is_set():
+            w = self.model.ids[i % len(self.model.ids)]
+            load = WorkerLoad(num_running=i % 40, num_waiting=i % 7, kv_usage=0.9,
+                              timestamp=time.time())
+            await self.model.index.heartbeat(w, 1, load)
+            i += 1
+            nxt += 1.0 / self.per_s
+            await asyncio.sleep(max(0.0, nxt - time.perf_counter()))
+
+    def start(self) -> Heartbeats:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._task
+
+
+def slowlog_ms(raw: redis.Redis, sha: str) -> list[float]:
+    """Server-side durations (ms) of the logged EVALSHAs of script ``sha``; resets the log."""
+    out = []
+    for entry in raw.slowlog_get(-1):
+        cmd = entry["command"]
+        if isinstance(cmd, bytes):
+            cmd = cmd.decode(errors="replace")
+        if cmd.lower().startswith("evalsha") and sha in cmd:
+            out.append(entry["duration"] / 1000)
+    raw.slowlog_reset()
+    return out
+
+
+async def lookups(model: Model, depth: int, n: int, rng: random.Random) -> list[float]:
+    """Wall times (ms) of ``n`` lookups of stored chains cut to ``depth`` blocks."""
+    samples = []
+    for _ in range(n):
+        chain = split(rng.choice(model.samples)[: DIGEST * depth])
+        start = time.perf_counter()
+        result = await model.index.lookup(chain)
+        samples.append((time.perf_counter() - start) * 1000)
+        assert max(m.confirmed_depth for m in result.matches.values()) == depth
+    return samples
+
+
+async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
+                       churn: tuple[int, int, float] | None, heartbeats: float) -> list[dict]:
+    """Lookups of 128- and 512-block chains under the given background traffic."""
+    raw, sha = model.raw, model.index._scripts["lookup"].sha
+    rows = []
+    for depth in (128, 512):
+        await lookups(model, depth, 50, rng)  # warm (and refresh the worker list)
+        bg = Churn(model, model.ids[-churn[0]:], churn[1], churn[2]).start() if churn else None
+        hb = Heartbeats(model, heartbeats).start() if heartbeats else None
+        await asyncio.sleep(0.2)
+        raw.slowlog_reset()
+        cpu0, t0 = server_cpu_s(raw), time.perf_counter()
+        wall = await lookups(model, depth, n, rng)
+        elapsed = time.perf_counter() - t0
+        cpu = server_cpu_s(raw) - cpu0
+        server = slowlog_ms(raw, sha)
+        rate = await bg.stop() if bg else 0.0
+        if hb:
+            await hb.stop()
+        rows.append({
+            "phase": label, "depth": depth, "n": n,
+            "wall_p50_ms": statistics.median(wall), "wall_p99_ms": pct(wall, 0.99),
+            "redis_p50_ms": statistics.median(server) if server else None,
+            "redis_p99_ms": pct(server, 0.99) if server else None,
+            "redis_cpu_busy": cpu / elapsed,
+            "redis_cpu_per_lookup_ms": cpu / n * 1000 if not churn and not heartbeats else None,
+            "events_per_s": rate, "heartbeats_per_s": heartbeats,
+            "loadavg": os.getloadavg()[0],
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+async def saturation(model: Model, batch: int, workers: int, seconds: float) -> dict:
+    """Apply throughput with ``workers`` concurrent publishers churning as fast as they can."""
+    raw, sha = model.raw, model.index._scripts["apply"].sha
+    raw.slowlog_reset()
+    cpu0 = server_cpu_s(raw)
+    bg = Churn(model, model.ids[:workers], batch, 0.0).start()
+    await asyncio.sleep(seconds)
+    rate = await bg.stop()
+    cpu = server_cpu_s(raw) - cpu0
+    server = slowlog_ms(raw, sha)
+    row = {"phase": f"saturation {batch}-block batches x{workers}", "events_per_s": rate,
+           "events": bg.events, "redis_cpu_us_per_event": cpu / bg.events * 1e6,
+           "apply_p50_ms": statistics.median(server) if server else None,
+           "apply_p99_ms": pct(server, 0.99) if server else None,
+           "apply_max_ms": max(server) if server else None,
+           "loadavg": os.getloadavg()[0]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def memory(raw: redis.Redis) -> int:
+    raw.execute_command("MEMORY", "PURGE")
+    return int(raw.info("memory")["used_memory"])
+
+
+def slowlog_on(raw: redis.Redis) -> None:
+    raw.config_set("slowlog-log-slower-than", 0)
+    raw.config_set("slowlog-max-len", 200_000)
+
+
+async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
+    rng = random.Random(args.seed)
+    with LocalRedis() as server:
+        raw = redis.Redis.from_url(server.url)
+        raw.config_set("slowlog-log-slower-than", -1)
+        model = await open_model(server.url, "llama3-8b", raw, args.workers)
+        before = memory(raw)
+        cpu0 = server_cpu_s(raw)
+        took = await fill(model, fleet, args.concurrency, args.keep, rng)
+        fill_cpu = server_cpu_s(raw) - cpu0
+        after = memory(raw)
+        mem = raw.info("memory")
+        rev = sum(raw.strlen(f"{model.index._prefix}r:{w}") for w in model.ids)
+        out: dict = {
+            "mode": "single", "workers": args.workers, "entries": model.entries,
+            "distinct_blocks": model.blocks, "holders_per_block": model.entries / model.blocks,
+            "fill_s": took, "fill_events_per_s": model.entries / took,
+            "fill_redis_cpu_us_per_event": fill_cpu / model.entries * 1e6,
+            "used_memory_delta": after - before,
+            "bytes_per_entry": (after - before) / model.entries,
+            "reverse_index_bytes": rev, "used_memory_rss": mem["used_memory_rss"],
+            "fill_loadavg": os.getloadavg()[0],
+        }
+        print(json.dumps(out), flush=True)
+        slowlog_on(raw)
+        rows = await lookup_phase(model, "alone", args.lookups, rng, None, 0)
+        if args.only_lookups:
+            out["rows"] = rows
+            await model.index.close()
+            return out
+        churn = (args.churn_workers, args.churn_batch, args.event_rate)
+        rows += await lookup_phase(model, "with events", args.lookups, rng, churn, 0)
+        rows += await lookup_phase(model, "with events + heartbeats", args.lookups, rng, churn,
+                                   args.workers * 3 / 10)
+        for batch in (32, 512):
+            rows.append(await saturation(model, batch, args.concurrency, args.apply_seconds))
+        out["rows"] = rows
+        out["redis"] = server.binary
+        await model.index.close()
+        return out
+
+
+def pick_models(n: int, slots_per_node: list[tuple[int, int]]) -> list[str]:
+    """Model names whose hash tags land on ``n`` different shards."""
+    names: list[str] = []
+    taken: set[int] = set()
+    for k in itertools.count():
+        name = f"llama{k}"
+        slot = key_slot(("{" + key_tag(name) + "}").encode())
+        node = next(i for i, (lo, hi) in enumerate(slots_per_node) if lo <= slot <= hi)
+        if node not in taken:
+            taken.add(node)
+            names.append(name)
+        if len(names) == n:
+            return names
+    raise AssertionError
+
+
+def start_cluster(n: int) -> list[LocalRedis]:
+    """``n`` private cluster-enabled servers joined into one cluster, slots split evenly."""
+    servers = [LocalRedis(extra_args=["--cluster-enabled", "yes", "--cluster-config-file",
+                                      "nodes.conf", "--cluster-node-timeout", "5000"]).start()
+               for _ in range(n)]
+    addrs = [f"127.0.0.1:{s.port}" for s in servers]
+    cli = shutil.which("redis-cli")
+    if cli:
+        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                        "--cluster-yes"], check=True, capture_output=True)
+    else:
+        per = 16384 // n
+        for i, s in enumerate(servers):
+            r = redis.Redis(port=s.port)
+            hi = 16383 if i == n - 1 else (i + 1) * per - 1
+            r.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, hi)
+            if i:
+                r.execute_command("CLUSTER", "MEET", "127.0.0.1", servers[0].port)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if all(redis.Redis(port=s.port).cluster("info")["cluster_state"] == "ok"
+               for s in servers):
+            return servers
+        time.sleep(0.2)
+    raise TimeoutError("cluster did not become ok")
+
+
+async def run_cluster(args: argparse.Namespace, fleet: Fleet) -> dict:
+    rng = random.Random(args.seed)
+    servers = start_cluster(3)
+    try:
+        raws = [redis.Redis(port=s.port) for s in servers]
+        ranges = []
+        for r in raws:
+            slots = [s for s in r.cluster("slots")
+                     if s[2][1] == r.connection_pool.connection_kwargs["port"]]
+            ranges.append((slots[0][0], slots[0][1]))
+        names = pick_models(args.models, ranges)
+        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        models = []
+        for name in names:
+            slot = key_slot(("{" + key_tag(name) + "}").encode())
+            node = next(i for i, (lo, hi) in enumerate(ranges) if lo <= slot <= hi)
+            models.append(await open_model(url, name, raws[node], args.workers))
+        for r in raws:
+            r.config_set("slowlog-log-slower-than", -1)
+        before = [memory(r) for r in raws]
+        cpu0 = [server_cpu_s(r) for r in raws]
+        t0 = time.perf_counter()
+        took = await asyncio.gather(*(fill(m, fleet, args.concurrency, args.keep, rng)
+                                      for m in models))
+        wall = time.perf_counter() - t0
+        cpu = [server_cpu_s(r) - c for r, c in zip(raws, cpu0, strict=True)]
+        after = [memory(r) for r in raws]
+        shards = []
+        for i, r in enumerate(raws):
+            held = [m for m in models if m.raw is r]
+            entries = sum(m.entries for m in held)
+            shards.append({
+                "shard": i, "slots": ranges[i], "models": [m.name for m in held],
+                "entries": entries, "distinct_blocks": sum(m.blocks for m in held),
+                "used_memory_delta": after[i] - before[i],
+                "bytes_per_entry": (after[i] - before[i]) / entries if entries else None,
+                "fill_events_per_s": entries / max(took[models.index(m)] for m in held)
+                if held else 0,
+                "redis_cpu_s": cpu[i],
+                "redis_cpu_us_per_event": cpu[i] / entries * 1e6 if entries else None,
+            })
+            print(json.dumps(shards[-1]), flush=True)
+        out: dict = {"mode": "cluster", "workers_per_model": args.workers, "shards": shards,
+                     "fill_wall_s": wall,
+                     "fill_events_per_s_total": sum(m.entries for m in models) / wall,
+                     "fill_loadavg": os.getloadavg()[0]}
+        print(json.dumps({k: v for k, v in out.items() if k != "shards"}), flush=True)
+        for r in raws:
+            slowlog_on(r)
+        first, others = models[0], models[1:]
+        churn = (args.churn_workers, args.churn_batch, args.event_rate)
+        rows = await lookup_phase(first, "cluster, alone", args.lookups, rng, None, 0)
+        # events flowing on the SAME model (its shard) ...
+        rows += await lookup_phase(first, "cluster, events on its shard", args.lookups, rng,
+                                   churn, 0)
+        # ... and on the other models only (other shards): what spreading models buys
+        bgs = [Churn(m, m.ids[-args.churn_workers:], args.churn_batch, args.event_rate).start()
+               for m in others]
+        rows += await lookup_phase(first, "cluster, events on the other shards", args.lookups,
+                                   rng, None, 0)
+        out["other_shards_events_per_s"] = [await bg.stop() for bg in bgs]
+        out["rows"] = rows
+        for m in models:
+            await m.index.close()
+        return out
+    finally:
+        for s in servers:
+            s.close()
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=("single", "cluster"), default="single")
+    p.add_argument("--workers", type=int, default=1000, help="workers per model")
+    p.add_argument("--convs", type=int, default=59,
+                   help="conversations per worker (59 x 512 blocks ~ 30,000 blocks)")
+    p.add_argument("--conv-blocks", type=int, default=512)
+    p.add_argument("--pool-chains", type=int, default=4096, help="shared prefix chains")
+    p.add_argument("--shared-lens", default="0,32,128,256,512",
+                   help="a conversation's shared prefix length, drawn uniformly from these")
+    p.add_argument("--zipf", type=float, default=1.0, help="popularity skew of shared chains")
+    p.add_argument("--models", type=int, default=3, help="cluster mode: models (one a shard)")
+    p.add_argument("--concurrency", type=int, default=16, help="concurrent publishers")
+    p.add_argument("--keep", type=int, default=4000, help="conversations kept for lookups")
+    p.add_argument("--lookups", type=int, default=2000, help="lookups per chain length")
+    p.add_argument("--event-rate", type=float, default=50_000,
+                   help="background block events/s during lookups")
+    p.add_argument("--churn-workers", type=int, default=32)
+    p.add_argument("--churn-batch", type=int, default=32, help="blocks stored per batch")
+    p.add_argument("--apply-seconds", type=float, default=10.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--only-lookups", action="store_true",
+                   help="single mode: fill, memory and lookups without background traffic")
+    p.add_argument("--json", type=Path, help="write the results here too")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    fleet = Fleet(args.workers, args.convs, args.conv_blocks, args.pool_chains,
+                  [int(x) for x in args.shared_lens.split(",")], args.zipf, args.seed)
+    run = run_single if args.mode == "single" else run_cluster
+    out = asyncio.run(run(args, fleet))
+    out["args"] = vars(args) | {"json": str(args.json)}
+    out["cores"], out["loadavg_end"] = os.cpu_count(), os.getloadavg()
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+"""Scale by simulation: replay a trace against 64 to 1,000 simulated workers in one process.
+
+No Ray and no model. Each worker is a :class:`workers.sim.engine.SimEngine` (the real scheduler
+and KV bookkeeping, a profile's step times); the router is the real pure core
+(:class:`router.router_state.RouterState` ranking with :mod:`router.policy`) against the real
+Redis prefix index (a private ``redis-server``), fed by the calls a worker's
+:class:`router.publisher.EventPublisher` makes: register, resync, one ``apply`` per batch of
+KV events (``publish_lag_s`` after the step that made them) and a load heartbeat every
+``heartbeat_s``. Time is simulated: an event loop over timestamps (arrivals, step completions,
+event flushes, heartbeats) runs as fast as the CPU allows, so an hour of trace takes minutes.
+
+Policies: ``prefix`` (the real ranking), ``pow2`` (two random workers, the one with fewer
+ongoing requests: Serve's default) and ``round_robin``. Per run it reports the prefix-cache
+hit rate against the merged-cache ceiling (one LRU pool the size of the whole cluster taking
+the prompts in arrival order: no router can do better without more memory), TTFT percentiles,
+worker busy-time imbalance (max / mean) and the router's decision time (wall clock, hashing +
+index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric measures).
+
+Departures from the live system, by design: leases and predicted entries expire in Redis' wall
+time, so leases are set long (``LEASE_TTL_S``) and routing-time predictions stay in the
+router's own :class:`router.router_state.LocalPredictions` (simulated time), which is what a
+single router consults first anyway; Serve's queue length is the router's own count of ongoing
+requests.
+
+    python -m bench.simulate --workers 16,64 --policy prefix,pow2,round_robin \\
+        --trace bench/traces/mooncake_conversation_1000.jsonl --out sim.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.workloads import Tokens, Trace
+from cluster.local_redis import LocalRedis
+from router.blocks import hash_chain, namespace
+from router.events import EventBatch, KVEvent, WorkerLoad
+from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
+from router.router_state import Candidate, RouterSettings, RouterState
+from workers.engine_types import EngineConfig, RequestOutput
+from workers.errors import InvalidRequestError
+from workers.kv_cache import KVCacheManager
+from workers.sampling import SamplingParams
+from workers.sim.engine import SimEngine
+from workers.sim.profiles import SimProfile, profile_for
+
+POLICIES = ("prefix", "pow2", "round_robin")
+LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
+LOOKUP_DEADLINE_S = 0.5  # generous: a busy simulator must not fail open where a router would not
+
+
+@dataclass
+class SimRequest:
+    """One trace row on its way through the simulated cluster."""
+
+    key: int
+    tokens: list[int]
+    output_len: int
+    arrival_s: float
+    worker: int = -1
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    rejected: bool = False
+
+
+@dataclass
+class SimWorker:
+    """A simulated replica: its engine, its index identity and its step bookkeeping."""
+
+    index: int
+    name: str
+    engine: SimEngine
+    worker_id: int = 0
+    stepping: bool = False
+    busy_s: float = 0.0
+    ongoing: int = 0  # the router's count (Serve's queue length)
+    step_events: list[KVEvent] = field(default_factory=list)  # made by the running step
+    unpublished: list[KVEvent] = field(default_factory=list)  # waiting for the flush
+    flush_due: bool = False
+    seq: int = 0
+    idle_reported: bool = False
+
+
+@dataclass
+class RunResult:
+    """One (policy, workers) run: the figures the table prints."""
+
+    policy: str
+    workers: int
+    requests: int
+    rejected: int
+    hit_rate: float
+    ceiling_hit_rate: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_p99_s: float
+    busy_imbalance: float
+    route_p99_ms: float
+    route_p50_ms: float
+    sim_time_s: float
+    wall_s: float
+    lookups_failed: int = 0
+
+
+def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
+                   block_size: int) -> float:
+    """Hit rate of one LRU pool of ``num_blocks`` taking the prompts in order, each computed
+    and freed before the next (the real pool's bookkeeping: same reuse, same eviction order)."""
+    kv = KVCacheManager(num_blocks, block_size)
+    hit = total = 0
+    for i, (chain, n) in enumerate(zip(chains, lengths, strict=True)):
+        hits = kv.computed_blocks(chain, n)
+        cached = len(hits) * block_size
+        if kv.allocate_slots(str(i), cached, n - cached, chain, hits):
+            kv.commit_step()
+            kv.free(str(i))
+        kv.take_events()
+        hit += cached
+        total += n
+    return hit / total if total else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+class Simulator:
+    """One run: ``num_workers`` simulated workers behind one router, in simulated time."""
+
+    def __init__(
+        self,
+        profile: SimProfile,
+        num_workers: int,
+        policy: str,
+        engine_config: EngineConfig,
+        index: PrefixIndex | None,
+        *,
+        publish_lag_s: float = 0.005,
+        heartbeat_s: float = 1.0,
+        seed: int = 0,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        if policy == "prefix" and index is None:
+            raise ValueError("the prefix policy needs an index")
+        self.profile = profile
+        self.policy = policy
+        self.index = index if policy == "prefix" else None
+        self.publish_lag_s = publish_lag_s
+        self.heartbeat_s = heartbeat_s
+        self.rng = random.Random(seed)
+        self.workers = [self._worker(i, engine_config) for i in range(num_workers)]
+        self.by_name = {w.name: w for w in self.workers}
+        self.state = RouterState(RouterSettings(
+            model="sim", block_size=engine_config.block_size,
+            fingerprint=self.workers[0].engine.model_fingerprint))
+        self._heap: list[tuple[float, int, str, object]] = []
+        self._order = itertools.count()
+        self._rr = itertools.cycle(range(num_workers))
+        self.route_s: list[float] = []
+        self.lookups_failed = 0
+        self._live: dict[str, SimRequest] = {}
+
+    def _worker(self, i: int, config: EngineConfig) -> SimWorker:
+        worker = SimWorker(i, f"sim-worker-{i}", SimEngine(self.profile, config))
+        worker.engine.on_kv_events = worker.step_events.extend
+        return worker
+
+    def _push(self, at: float, kind: str, payload: object) -> None:
+        heapq.heappush(self._heap, (at, next(self._order), kind, payload))
+
+    # ------------------------------------------------------------------ index side (workers)
+
+    async def _register(self) -> None:
+        assert self.index is not None
+        for w in self.workers:
+            w.worker_id = await self.index.register(
+                w.name, epoch=1, block_size=w.engine.block_size,
+                fingerprint=w.engine.model_fingerprint, node="sim")
+            await self.index.resync(w.worker_id, 1, [], 0)
+            await self._heartbeat(w, 0.0)
+        candidates = [Candidate(w.name) for w in self.workers]
+        self.state.check_workers(await self.index.live_workers(), candidates, 0.0)
+
+    async def _heartbeat(self, w: SimWorker, now: float) -> None:
+        assert self.index is not None
+        s = w.engine.stats()
+        idle = not (s.num_running or s.num_waiting)
+        if idle and w.idle_reported:
+            return  # an unchanged idle load: the (long) lease needs no renewal
+        w.idle_reported = idle
+        load = WorkerLoad(s.num_running, s.num_waiting, s.queued_prefill_tokens, s.kv_usage,
+                          s.prefill_tokens_per_s, s.decode_tokens_per_s, timestamp=now)
+        await self.index.heartbeat(w.worker_id, 1, load)
+
+    async def _flush(self, w: SimWorker) -> None:
+        w.flush_due = False
+        events, w.unpublished = w.unpublished, []
+        if self.index is None or not events:
+            return
+        w.seq += 1
+        result = await self.index.apply(EventBatch(w.worker_id, 1, w.seq, tuple(events)))
+        if result is not ResultCode.OK:  # as the publisher does: replace the whole set
+            await self.index.resync(w.worker_id, 1, w.engine.cached_block_hashes(), w.seq)
+
+    # ------------------------------------------------------------------ router side
+
+    async def _route(self, req: SimRequest, now: float) -> SimWorker:
+        start = time.perf_counter()
+        if self.policy == "round_robin":
+            worker = self.workers[next(self._rr)]
+        elif self.policy == "pow2":
+            a, b = self.rng.sample(self.workers, 2) if len(self.workers) > 1 else self.workers * 2
+            worker = a if a.ongoing <= b.ongoing else b
+        else:
+            worker = await self._rank(req, now)
+        self.route_s.append(time.perf_counter() - start)
+        return worker
+
+    async def _rank(self, req: SimRequest, now: float) -> SimWorker:
+        assert self.index is not None
+        state = self.state
+        ctx = state.context(req.key, req.tokens, None, now)
+        result = None
+        if state.lookup_blocked(now) is None:
+            try:
+                result = await asyncio.wait_for(self.index.lookup(ctx.chain),
+                                                4 * LOOKUP_DEADLINE_S)
+                state.looked_up(result)
+            except Exception:  # fail open, as the request router does
+                self.lookups_failed += 1
+                state.lookup_failed(now)
+        candidates = [Candidate(w.name, queue_len=w.ongoing) for w in self.workers]
+        ranking = state.rank(req.key, ctx, candidates, result, now)
+        best = ranking[0].key
+        state.note_routed(req.key, best, ctx, str(req.key), now)
+        state.sent(req.key, best, str(req.key), now)
+        return self.by_name[best]
+
+    # ------------------------------------------------------------------ the event loop
+
+    async def run(self, requests: Sequence[SimRequest]) -> float:
+        """Replay ``requests``; returns the simulated time when the last one finished."""
+        if self.index is not None:
+            await self._register()
+            self._push(self.heartbeat_s, "heartbeat", None)
+        for req in requests:
+            self._push(req.arrival_s, "arrival", req)
+        now = 0.0
+        pending = len(requests)
+        while self._heap and (pending or any(w.stepping for w in self.workers)):
+            now, _, kind, payload = heapq.heappop(self._heap)
+            if kind == "arrival":
+                assert isinstance(payload, SimRequest)
+                pending -= 1
+                await self._arrive(payload, now)
+            elif kind == "step":
+                assert isinstance(payload, tuple)
+                await self._step_done(payload[0], payload[1], now)
+            elif kind == "flush":
+                assert isinstance(payload, SimWorker)
+                await self._flush(payload)
+            else:
+                for w in self.workers:
+                    await self._heartbeat(w, now)
+                self._push(now + self.heartbeat_s, "heartbeat", None)
+        return now
+
+    async def _arrive(self, req: SimRequest, now: float) -> None:
+        worker = await self._route(req, now)
+        req.worker = worker.index
+        params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
+        try:
+            worker.engine.add_request(str(req.key), req.tokens, params)
+        except InvalidRequestError:
+            req.rejected = True
+            self.state.completed(worker.name, str(req.key))
+            return
+        worker.ongoing += 1
+        self._live[str(req.key)] = req
+        if not worker.stepping:
+            self._start_step(worker, now)
+
+    def _start_step(self, w: SimWorker, now: float) -> None:
+        outputs = w.engine.step()
+        seconds = w.engine.last_step_s
+        if seconds == 0.0 and not outputs:
+            w.stepping = False
+            return
+        w.stepping = True
+        w.busy_s += seconds
+        self._push(now + seconds, "step", (w, outputs))
+
+    async def _step_done(self, w: SimWorker, outputs: list[RequestOutput], now: float) -> None:
+        for out in outputs:
+            req = self._live.get(out.request_id)
+            if req is None:
+                continue
+            if req.first_token_s is None and out.new_token_ids:
+                req.first_token_s = now
+            if out.finished:
+                req.finish_s = now
+                del self._live[out.request_id]
+                w.ongoing -= 1
+                self.state.completed(w.name, out.request_id)
+        if w.step_events:
+            w.unpublished.extend(w.step_events)
+            w.step_events.clear()
+            if not w.flush_due and self.index is not None:
+                w.flush_due = True
+                self._push(now + self.publish_lag_s, "flush", w)
+        w.stepping = False
+        if w.engine.has_unfinished():
+            self._start_step(w, now)
+
+
+# ---------------------------------------------------------------------- trace and runs
+
+
+def trace_requests(path: str | Path, vocab_size: int, *, limit: int | None = None,
+                   speedup: float = 1.0, max_input: int | None = None,
+                   max_output: int | None = None) -> list[SimRequest]:
+    """A Mooncake trace as token-id requests (bench.workloads.Trace: 512-token runs per id)."""
+    trace = Trace(path=path, limit=limit, speedup=speedup, max_input=max_input,
+                  max_output=max_output)
+    sessions = trace.sessions(Tokens(vocab_size))
+    return [SimRequest(i, s.turns[0].tokens or [], s.turns[0].output_len, s.arrival_s or 0.0)
+            for i, s in enumerate(sessions)]
+
+
+def fresh(requests: Sequence[SimRequest]) -> list[SimRequest]:
+    return [SimRequest(r.key, r.tokens, r.output_len, r.arrival_s) for r in requests]
+
+
+async def simulate(
+    requests: Sequence[SimRequest],
+    profile: SimProfile,
+    num_workers: int,
+    policy: str,
+    config: EngineConfig,
+    redis_url: str | None,
+    *,
+    publish_lag_s: float = 0.005,
+    heartbeat_s: float = 1.0,
+    seed: int = 0,
+    ceiling: float | None = None,
+) -> RunResult:
+    """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given."""
+    reqs = fresh(requests)
+    index = None
+    if policy == "prefix":
+        assert redis_url is not None, "the prefix policy needs redis_url"
+        index = open_index(redis_url, f"sim-{policy}-{num_workers}-{time.time_ns()}",
+                           deadline_s=LOOKUP_DEADLINE_S,
+                           settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
+    sim = Simulator(profile, num_workers, policy, config, index, publish_lag_s=publish_lag_s,
+                    heartbeat_s=heartbeat_s, seed=seed)
+    start = time.perf_counter()
+    try:
+        end = await sim.run(reqs)
+    finally:
+        if index is not None:
+            await index.close()
+    wall = time.perf_counter() - start
+    served = [r for r in reqs if not r.rejected]
+    if ceiling is None:
+        ceiling = ceiling_for(served, sim.workers[0].engine, num_workers)
+    ttft = [r.first_token_s - r.arrival_s for r in served if r.first_token_s is not None]
+    stats = [w.engine.stats() for w in sim.workers]
+    queried = sum(s.prompt_tokens_queried for s in stats)
+    busy = [w.busy_s for w in sim.workers]
+    mean_busy = sum(busy) / len(busy)
+    route_ms = [s * 1000 for s in sim.route_s]
+    return RunResult(
+        policy=policy, workers=num_workers, requests=len(reqs),
+        rejected=len(reqs) - len(served),
+        hit_rate=sum(s.prompt_tokens_hit for s in stats) / queried if queried else 0.0,
+        ceiling_hit_rate=ceiling,
+        ttft_p50_s=percentile(ttft, 50), ttft_p90_s=percentile(ttft, 90),
+        ttft_p99_s=percentile(ttft, 99),
+        busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
+        route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
+        sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed)
+
+
+def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
+    """The merged-cache ceiling of a cluster of ``num_workers`` engines like ``engine``."""
+    ns = namespace(engine.model_fingerprint, None)
+    bs = engine.block_size
+    ordered = sorted(served, key=lambda r: (r.arrival_s, r.key))
+    chains = [hash_chain(r.tokens, bs, ns) for r in ordered]
+    return merged_ceiling(chains, [len(r.tokens) for r in ordered],
+                          engine.kv.num_total_blocks * num_workers, bs)
+
+
+COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),
+           ("hit_rate", "hit", "{:.3f}"), ("ceiling_hit_rate", "ceiling", "{:.3f}"),
+           ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "p90", "{:.3f}"),
+           ("ttft_p99_s", "p99", "{:.3f}"), ("busy_imbalance", "busy max/mean", "{:.2f}"),
+           ("route_p99_ms", "route p99 ms", "{:.2f}"), ("rejected", "rejected", "{}"),
+           ("wall_s", "wall s", "{:.0f}"))
+
+
+def table(results: Sequence[RunResult]) -> str:
+    rows = [[label for _, label, _ in COLUMNS]]
+    rows += [[fmt.format(getattr(r, name)) for name, _, fmt in COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+                     for row in rows)
+
+
+async def run_all(args: argparse.Namespace) -> list[RunResult]:
+    profile = profile_for(args.profile)
+    config = EngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks,
+        max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
+    requests = trace_requests(args.trace, profile.vocab_size, limit=args.limit,
+                              speedup=args.speedup, max_input=args.max_input,
+                              max_output=args.max_output)
+    redis = None
+    redis_url = args.redis_url
+    policies = [p.strip() for p in args.policy.split(",")]
+    if "prefix" in policies and redis_url is None:
+        redis = LocalRedis().start()
+        redis_url = redis.url
+    results = []
+    try:
+        for n in (int(x) for x in args.workers.split(",")):
+            ceiling = None
+            for policy in policies:
+                result = await simulate(requests, profile, n, policy, config, redis_url,
+                                        publish_lag_s=args.publish_lag_ms / 1000,
+                                        heartbeat_s=args.heartbeat_s, seed=args.seed,
+                                        ceiling=ceiling)
+                ceiling = result.ceiling_hit_rate
+                results.append(result)
+                print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
+    finally:
+        if redis is not None:
+            redis.close()
+    return results
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", default="16,64", help="comma-separated cluster sizes")
+    parser.add_argument("--policy", default=",".join(POLICIES),
+                        help=f"comma-separated, of {', '.join(POLICIES)}")
+    parser.add_argument("--trace", default="bench/traces/mooncake_conversation_1000.jsonl",
+                        help="a Mooncake-format JSONL trace (the full traces: a path)")
+    parser.add_argument("--limit", type=int, default=None, help="first N rows only")
+    parser.add_argument("--speedup", type=float, default=1.0, help="arrivals at timestamp/x")
+    parser.add_argument("--max-input", type=int, default=None, help="cut prompts to N tokens")
+    parser.add_argument("--max-output", type=int, default=None, help="cap output lengths")
+    parser.add_argument("--profile", default="h100-llama3-8b", help="sim:<profile> or <profile>")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-blocks", type=int, default=None,
+                        help="KV blocks per worker (default: the profile's KV budget)")
+    parser.add_argument("--publish-lag-ms", type=float, default=5.0,
+                        help="from a step's end to its KV events in the index")
+    parser.add_argument("--heartbeat-s", type=float, default=1.0, help="load report interval")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    results = asyncio.run(run_all(args))
+    print(table(results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"args": vars(args), "runs": [asdict(r) for r in results]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

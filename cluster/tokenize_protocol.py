@@ -1,0 +1,58 @@
+"""Bodies of vLLM's tokenizer endpoints (`POST /tokenize`, `POST /detokenize`, `GET /version`),
+in vLLM's shapes so its clients and scripts work unchanged.
+
+`/tokenize` takes vLLM's two forms in one model: a completion prompt (`prompt`) or a chat
+(`messages`, rendered with the chat template first). Validation is as strict as the generation
+requests' (cluster/protocol.py): no coercion, unknown fields ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field, model_validator
+
+from cluster.protocol import ChatMessage, _Request
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None  # None: the served model
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    # vLLM's defaults: true for a prompt, false for a chat (its template writes BOS itself)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_form(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either `prompt` (text) or `messages` (a chat), not both")
+        return self
+
+    @property
+    def special_tokens(self) -> bool:
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str

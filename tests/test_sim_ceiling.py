@@ -1,0 +1,31 @@
+"""The merged-cache ceiling: one cluster-sized LRU pool taking the prompts in arrival order."""
+
+from __future__ import annotations
+
+from bench.simulate import merged_ceiling
+from router.blocks import hash_chain
+
+A = list(range(9))  # 2 full blocks of 4 and one partial
+B = list(range(100, 109))
+
+
+def ceiling(prompts: list[list[int]], num_blocks: int) -> float:
+    return merged_ceiling([hash_chain(p, 4) for p in prompts], [len(p) for p in prompts],
+                          num_blocks, 4)
+
+
+def test_a_repeat_hits_its_full_blocks() -> None:
+    # A again: both full blocks hit (8 of 27 tokens over the three prompts)
+    assert ceiling([A, B, A], 6) == 8 / 27
+    # an extension hits the blocks A had: 8 of 9 + 13 tokens
+    assert ceiling([A, A + [1, 2, 3, 4]], 100) == 8 / 22
+
+
+def test_a_pool_too_small_evicts_least_recently_used() -> None:
+    # three blocks hold one prompt: B evicts A before it comes back
+    assert ceiling([A, B, A], 3) == 0.0
+
+
+def test_no_reuse_no_hits_and_the_last_token_is_always_computed() -> None:
+    assert ceiling([A, B], 100) == 0.0
+    assert ceiling([A[:8], A[:8]], 100) == 4 / 16  # the block of the last token is recomputed

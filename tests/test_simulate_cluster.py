@@ -1,0 +1,46 @@
+"""Tier-2 smoke: simulated workers, the real router core and the real Redis index."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from bench.simulate import simulate, trace_requests
+from workers.engine_types import EngineConfig
+from workers.sim.profiles import H100_LLAMA3_8B
+
+pytestmark = pytest.mark.cluster
+TRACE = Path(__file__).resolve().parents[1] / "bench/traces/mooncake_conversation_1000.jsonl"
+
+
+def conversation_rows(path: Path, n: int) -> Path:
+    """The first ``n`` rows of the committed slice that belong to a conversation of two or
+    more turns (their second hash id recurs): rows with reuse for a router to find."""
+    rows = [json.loads(line) for line in TRACE.read_text().splitlines() if line.strip()]
+    turns = Counter(r["hash_ids"][1] for r in rows if len(r["hash_ids"]) > 1)
+    picked = [r for r in rows if len(r["hash_ids"]) > 1 and turns[r["hash_ids"][1]] > 1][:n]
+    path.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    return path
+
+
+def test_prefix_routing_beats_round_robin_under_the_ceiling(redis_server, tmp_path) -> None:
+    profile = H100_LLAMA3_8B
+    trace = conversation_rows(tmp_path / "rows.jsonl", 50)
+    requests = trace_requests(trace, profile.vocab_size, max_input=4096, max_output=64)
+    config = EngineConfig(num_blocks=1024, max_num_seqs=profile.max_num_seqs,
+                          max_num_batched_tokens=profile.max_num_batched_tokens)
+
+    def run(policy: str):
+        return asyncio.run(simulate(requests, profile, 8, policy, config, redis_server.url))
+
+    prefix, rr = run("prefix"), run("round_robin")
+    assert prefix.requests == rr.requests == 50 and not prefix.rejected
+    assert prefix.lookups_failed == 0
+    assert prefix.hit_rate > rr.hit_rate
+    assert prefix.ceiling_hit_rate == rr.ceiling_hit_rate
+    assert prefix.ceiling_hit_rate >= prefix.hit_rate
+    assert prefix.ttft_p50_s > 0 and prefix.route_p99_ms > 0

@@ -1,0 +1,1 @@
+"""Simulated engines: the real scheduler and KV bookkeeping with modelled step times."""
