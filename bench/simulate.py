@@ -108,6 +108,7 @@ class RunResult:
     busy_imbalance: float
     route_p99_ms: float
     route_p50_ms: float
+    lookup_p99_ms: float  # the index lookup's share of a decision (prefix only)
     sim_time_s: float
     wall_s: float
     lookups_failed: int = 0
@@ -169,6 +170,7 @@ class Simulator:
         self._order = itertools.count()
         self._rr = itertools.cycle(range(num_workers))
         self.route_s: list[float] = []
+        self.lookup_s: list[float] = []  # the index round trip within route_s
         self.lookups_failed = 0
         self._live: dict[str, SimRequest] = {}
 
@@ -234,9 +236,11 @@ class Simulator:
         ctx = state.context(req.key, req.tokens, None, now)
         result = None
         if state.lookup_blocked(now) is None:
+            start = time.perf_counter()
             try:
                 result = await asyncio.wait_for(self.index.lookup(ctx.chain),
                                                 4 * LOOKUP_DEADLINE_S)
+                self.lookup_s.append(time.perf_counter() - start)
                 state.looked_up(result)
             except Exception:  # fail open, as the request router does
                 self.lookups_failed += 1
@@ -391,6 +395,7 @@ async def simulate(
         ttft_p99_s=percentile(ttft, 99),
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
         route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
+        lookup_p99_ms=percentile([s * 1000 for s in sim.lookup_s], 99),
         sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed)
 
 
@@ -408,7 +413,8 @@ COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),
            ("hit_rate", "hit", "{:.3f}"), ("ceiling_hit_rate", "ceiling", "{:.3f}"),
            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "p90", "{:.3f}"),
            ("ttft_p99_s", "p99", "{:.3f}"), ("busy_imbalance", "busy max/mean", "{:.2f}"),
-           ("route_p99_ms", "route p99 ms", "{:.2f}"), ("rejected", "rejected", "{}"),
+           ("route_p99_ms", "route p99 ms", "{:.2f}"), ("lookup_p99_ms", "lookup p99", "{:.2f}"),
+           ("rejected", "rejected", "{}"),
            ("wall_s", "wall s", "{:.0f}"))
 
 

@@ -18,7 +18,7 @@ def test_a_repeat_hits_its_full_blocks() -> None:
     # A again: both full blocks hit (8 of 27 tokens over the three prompts)
     assert ceiling([A, B, A], 6) == 8 / 27
     # an extension hits the blocks A had: 8 of 9 + 13 tokens
-    assert ceiling([A, A + [1, 2, 3, 4]], 100) == 8 / 22
+    assert ceiling([A, [*A, 1, 2, 3, 4]], 100) == 8 / 22
 
 
 def test_a_pool_too_small_evicts_least_recently_used() -> None:

@@ -30,15 +30,15 @@ def _params(max_tokens: int, n: int = 1) -> SamplingParams:
 
 SHARED = list(range(3, 23))  # 5 blocks every "s" prompt starts with
 SCRIPT: dict[int, list[tuple]] = {  # step -> actions before it
-    0: [("add", "a", SHARED + [40, 41, 42], _params(6)),
-        ("add", "b", SHARED + [50, 51], _params(5))],
+    0: [("add", "a", [*SHARED, 40, 41, 42], _params(6)),
+        ("add", "b", [*SHARED, 50, 51], _params(5))],
     2: [("add", "c", list(range(60, 90)), _params(4)),
-        ("add", "d", SHARED + [70], _params(3, n=2))],
+        ("add", "d", [*SHARED, 70], _params(3, n=2))],
     4: [("abort", "c")],
-    5: [("add", "e", SHARED + [40, 41, 42, 43, 44], _params(9))],
+    5: [("add", "e", [*SHARED, 40, 41, 42, 43, 44], _params(9))],
     9: [("add", "f", list(range(100, 140)), _params(2))],
     30: [("reset",)],
-    31: [("add", "g", SHARED + [40], _params(2))],
+    31: [("add", "g", [*SHARED, 40], _params(2))],
 }
 
 

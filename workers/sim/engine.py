@@ -148,7 +148,8 @@ class SimEngine:
                 f"prompt has {len(prompt)} tokens; this worker's context is "
                 f"{self.max_model_len} tokens, including at least 1 to generate")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise InvalidRequestError(f"a token id is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(
+                f"a token id is outside the vocabulary [0, {self.vocab_size})")
         stop = frozenset(sampling_params.stop_token_ids)
         req = _Request(request_id, sampling_params, len(prompt), stop)
         hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))
