@@ -83,7 +83,8 @@ def test_min_tokens_matches_transformers() -> None:
     hf = MinNewTokensLengthLogitsProcessor(2, 3, list(stops))
     for generated in range(5):
         output = list(range(20, 20 + generated))
-        got = process_logits(logits, [p], [history([8, 9], output, stops)])
+        # a stop id past the vocabulary is skipped, not an index error
+        got = process_logits(logits, [p], [history([8, 9], output, (*stops, V + 5))])
         want = hf(torch.tensor([[8, 9, *output]]), logits.clone())
         assert torch.equal(got, want)
         assert got[0, 3].item() == (float("-inf") if generated < 3 else logits[0, 3].item())

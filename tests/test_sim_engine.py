@@ -117,3 +117,12 @@ def test_virtual_clock_and_profiles() -> None:
     with pytest.raises(ValueError, match="known: sim:cpu-smollm2"):
         profile_for("sim:nope")
     assert CPU_SMOLLM2.fingerprint != H100_LLAMA3_8B.fingerprint
+
+
+def test_a_replica_loads_a_sim_model_that_sleeps_its_steps() -> None:
+    from workers.deployment import _load_engine
+
+    events: list = []
+    eng = _load_engine("sim:cpu-smollm2", EngineConfig(num_blocks=64), events.append)
+    assert isinstance(eng, SimEngine) and eng.sleep
+    assert eng.model_fingerprint == CPU_SMOLLM2.fingerprint and eng.vocab_size == 49152

@@ -53,6 +53,8 @@ from workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_ste
 from workers.engine_types import EngineConfig, RequestOutput
 from workers.errors import InvalidRequestError
 from workers.sampling import SamplingParams
+from workers.sim.engine import SimEngine
+from workers.sim.profiles import is_sim_model, profile_for
 from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("ray.serve")
@@ -99,8 +101,11 @@ def _rss_bytes() -> int:
 
 def _load_engine(
     model: str, config: EngineConfig, on_kv_events: Callable[[list[KVEvent]], None]
-) -> LLMEngine:
-    """The engine for `model`, resolved on this node (a GGUF converted once per node)."""
+) -> LLMEngine | SimEngine:
+    """The engine for `model`, resolved on this node (a GGUF converted once per node);
+    ``sim:<profile>`` is a simulated engine whose steps sleep their modelled time."""
+    if is_sim_model(model):
+        return SimEngine(profile_for(model), config, on_kv_events, sleep=True)
     return LLMEngine.from_pretrained(resolve_checkpoint(model), config, on_kv_events)
 
 

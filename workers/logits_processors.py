@@ -103,8 +103,12 @@ def _pairs(rows: list[int], cols: Sequence[Collection[int]], device: torch.devic
 
 
 def _hold_stops(logits: torch.Tensor, rows: list[int], stops: list[tuple[int, ...]]) -> None:
-    """min_tokens: EOS and stop_token_ids cannot be drawn until enough tokens were generated."""
-    r, c = _pairs(rows, stops, logits.device)
+    """min_tokens: EOS and stop_token_ids cannot be drawn until enough tokens were generated.
+
+    An id past the vocabulary is never drawn anyway; indexing it would fail the whole step.
+    """
+    vocab = logits.shape[1]
+    r, c = _pairs(rows, [[t for t in s if t < vocab] for s in stops], logits.device)
     logits.index_put_((r, c), torch.tensor(float("-inf"), device=logits.device))
 
 
