@@ -39,6 +39,7 @@ import json
 import os
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import time
@@ -49,7 +50,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from cluster.local_redis import LocalRedis
+from cluster.local_redis import LocalRedis, free_port
 from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from router.index import IndexSettings, ResultCode, open_index
 from router.redis_index import RedisPrefixIndex, key_tag
@@ -375,11 +376,25 @@ def pick_models(n: int, slots_per_node: list[tuple[int, int]]) -> list[str]:
     raise AssertionError
 
 
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10,000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port > 55_000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+        return port
+
+
 def start_cluster(n: int) -> list[LocalRedis]:
     """``n`` private cluster-enabled servers joined into one cluster, slots split evenly."""
-    servers = [LocalRedis(extra_args=["--cluster-enabled", "yes", "--cluster-config-file",
-                                      "nodes.conf", "--cluster-node-timeout", "5000"]).start()
-               for _ in range(n)]
+    flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-node-timeout", "5000"]
+    servers = [LocalRedis(port=cluster_port(), extra_args=flags).start() for _ in range(n)]
     addrs = [f"127.0.0.1:{s.port}" for s in servers]
     cli = shutil.which("redis-cli")
     if cli:

@@ -46,7 +46,7 @@ from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import EventBatch, KVEvent, WorkerLoad
-from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
+from router.index import IndexSettings, IndexUnavailable, PrefixIndex, ResultCode, open_index
 from router.router_state import Candidate, RouterSettings, RouterState
 from workers.engine_types import EngineConfig, RequestOutput
 from workers.errors import InvalidRequestError
@@ -57,7 +57,8 @@ from workers.sim.profiles import SimProfile, profile_for
 
 POLICIES = ("prefix", "pow2", "round_robin")
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
-LOOKUP_DEADLINE_S = 0.5  # generous: a busy simulator must not fail open where a router would not
+INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
+MAX_BATCH_BLOCKS = 2048  # as the publisher: one apply stays well inside the deadline
 
 
 @dataclass
@@ -90,6 +91,7 @@ class SimWorker:
     flush_due: bool = False
     seq: int = 0
     idle_reported: bool = False
+    dirty: bool = False  # an apply failed: the next flush replaces the whole set (resync)
 
 
 @dataclass
@@ -112,6 +114,7 @@ class RunResult:
     sim_time_s: float
     wall_s: float
     lookups_failed: int = 0
+    index_failures: int = 0
 
 
 def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
@@ -172,6 +175,8 @@ class Simulator:
         self.route_s: list[float] = []
         self.lookup_s: list[float] = []  # the index round trip within route_s
         self.lookups_failed = 0
+        self.index_failures = 0  # worker-side calls that timed out (resynced after)
+        self._now = 0.0
         self._live: dict[str, SimRequest] = {}
 
     def _worker(self, i: int, config: EngineConfig) -> SimWorker:
@@ -204,17 +209,33 @@ class Simulator:
         w.idle_reported = idle
         load = WorkerLoad(s.num_running, s.num_waiting, s.queued_prefill_tokens, s.kv_usage,
                           s.prefill_tokens_per_s, s.decode_tokens_per_s, timestamp=now)
-        await self.index.heartbeat(w.worker_id, 1, load)
+        try:
+            await self.index.heartbeat(w.worker_id, 1, load)
+        except IndexUnavailable:
+            self.index_failures += 1
+            w.idle_reported = False
 
     async def _flush(self, w: SimWorker) -> None:
+        """Apply the unpublished events in batches; after a failure, as the publisher does,
+        replace the worker's whole set instead (the engine is the source of truth)."""
         w.flush_due = False
         events, w.unpublished = w.unpublished, []
-        if self.index is None or not events:
+        if self.index is None or not (events or w.dirty):
             return
-        w.seq += 1
-        result = await self.index.apply(EventBatch(w.worker_id, 1, w.seq, tuple(events)))
-        if result is not ResultCode.OK:  # as the publisher does: replace the whole set
-            await self.index.resync(w.worker_id, 1, w.engine.cached_block_hashes(), w.seq)
+        try:
+            if w.dirty:
+                await self.index.resync(w.worker_id, 1, w.engine.cached_block_hashes(), w.seq)
+                w.dirty = False
+                return
+            for batch in _batches(events):
+                w.seq += 1
+                result = await self.index.apply(EventBatch(w.worker_id, 1, w.seq, batch))
+                if result is not ResultCode.OK:
+                    raise IndexUnavailable(f"apply answered {result.name}")
+        except IndexUnavailable:
+            self.index_failures += 1
+            w.dirty = w.flush_due = True
+            self._push(self._now + self.publish_lag_s, "flush", w)
 
     # ------------------------------------------------------------------ router side
 
@@ -239,7 +260,7 @@ class Simulator:
             start = time.perf_counter()
             try:
                 result = await asyncio.wait_for(self.index.lookup(ctx.chain),
-                                                4 * LOOKUP_DEADLINE_S)
+                                                4 * INDEX_DEADLINE_S)
                 self.lookup_s.append(time.perf_counter() - start)
                 state.looked_up(result)
             except Exception:  # fail open, as the request router does
@@ -265,6 +286,7 @@ class Simulator:
         pending = len(requests)
         while self._heap and (pending or any(w.stepping for w in self.workers)):
             now, _, kind, payload = heapq.heappop(self._heap)
+            self._now = now
             if kind == "arrival":
                 assert isinstance(payload, SimRequest)
                 pending -= 1
@@ -329,6 +351,23 @@ class Simulator:
             self._start_step(w, now)
 
 
+def _batches(events: Sequence[KVEvent]) -> list[tuple[KVEvent, ...]]:
+    """Events cut into batches of at most MAX_BATCH_BLOCKS digests (an event is never cut)."""
+    out: list[tuple[KVEvent, ...]] = []
+    batch: list[KVEvent] = []
+    blocks = 0
+    for event in events:
+        size = len(getattr(event, "hashes", ()))
+        if batch and blocks + size > MAX_BATCH_BLOCKS:
+            out.append(tuple(batch))
+            batch, blocks = [], 0
+        batch.append(event)
+        blocks += size
+    if batch:
+        out.append(tuple(batch))
+    return out
+
+
 # ---------------------------------------------------------------------- trace and runs
 
 
@@ -366,7 +405,7 @@ async def simulate(
     if policy == "prefix":
         assert redis_url is not None, "the prefix policy needs redis_url"
         index = open_index(redis_url, f"sim-{policy}-{num_workers}-{time.time_ns()}",
-                           deadline_s=LOOKUP_DEADLINE_S,
+                           deadline_s=INDEX_DEADLINE_S,
                            settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
     sim = Simulator(profile, num_workers, policy, config, index, publish_lag_s=publish_lag_s,
                     heartbeat_s=heartbeat_s, seed=seed)
@@ -396,7 +435,8 @@ async def simulate(
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
         route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
         lookup_p99_ms=percentile([s * 1000 for s in sim.lookup_s], 99),
-        sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed)
+        sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed,
+        index_failures=sim.index_failures)
 
 
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
