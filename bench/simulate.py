@@ -120,8 +120,12 @@ class RunResult:
 def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
                    block_size: int) -> float:
     """Hit rate of one LRU pool of ``num_blocks`` taking the prompts in order, each computed
-    and freed before the next (the real pool's bookkeeping: same reuse, same eviction order)."""
-    kv = KVCacheManager(num_blocks, block_size)
+    and freed before the next (the real pool's bookkeeping: same reuse, same eviction order).
+
+    A pool at least as large as every block the prompts take never evicts, so it is cut to that
+    size: the same answer without millions of idle blocks at 1,000 workers."""
+    needed = sum(-(-n // block_size) for n in lengths)
+    kv = KVCacheManager(max(1, min(num_blocks, needed)), block_size)
     hit = total = 0
     for i, (chain, n) in enumerate(zip(chains, lengths, strict=True)):
         hits = kv.computed_blocks(chain, n)
