@@ -78,16 +78,18 @@ class BlockHasher:
     def append(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Add tokens; return the digests of the blocks they completed (possibly none)."""
         self._pending.extend(token_ids)
+        size = self.block_size
+        full = len(self._pending) - len(self._pending) % size
         new: list[BlockHash] = []
-        while len(self._pending) >= self.block_size:
-            block = self._pending[: self.block_size]
-            del self._pending[: self.block_size]
+        for start in range(0, full, size):  # slice, then drop once: linear in prompt length
+            block = self._pending[start : start + size]
             if self.hashes:
                 digest = hash_block(self.hashes[-1], block)
             else:
                 digest = hash_block(ROOT, block, self.namespace)
             self.hashes.append(digest)
             new.append(digest)
+        del self._pending[:full]
         return new
 
     @property
