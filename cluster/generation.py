@@ -153,7 +153,9 @@ class Generation:
         if choice.done:  # already ended by a stop string
             return None
         choice.num_tokens += len(delta.token_ids)
-        text, stopped = choice.stop.add(choice.detok.add(delta.token_ids))
+        # Stop strings count only past min_tokens, as vLLM (EOS and stop ids: the engine).
+        check = choice.num_tokens > self.sampling.get("min_tokens", 0)
+        text, stopped = choice.stop.add(choice.detok.add(delta.token_ids), check)
         finish = None
         if not stopped and delta.finished:
             tail, stopped = choice.stop.add(choice.detok.flush())

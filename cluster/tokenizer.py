@@ -327,7 +327,9 @@ class StopChecker:
     """Finds stop strings in streamed text; holds back a tail that could start one.
 
     `add` returns the text that is safe to emit and whether a stop string matched (the output
-    then ends just before it, and the stop string itself is not part of the output).
+    then ends just before it, and the stop string itself is not part of the output). With
+    ``check=False`` (before a request's ``min_tokens``, as vLLM) the text is taken in without
+    searching: a stop string that ends there does not count.
     """
 
     def __init__(self, stops: Sequence[str] = ()) -> None:
@@ -337,7 +339,7 @@ class StopChecker:
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
 
-    def add(self, new_text: str) -> tuple[str, bool]:
+    def add(self, new_text: str, check: bool = True) -> tuple[str, bool]:
         if self.stopped:
             return "", True
         if not self.stops:
@@ -347,7 +349,7 @@ class StopChecker:
         # A match must end inside the new text; older text was already searched.
         start = max(0, len(self.text) - self._max_len + 1)
         self.text += new_text
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0] if check else []
         if hits:
             end = min(hits)
             out = self.text[self.emitted : end]

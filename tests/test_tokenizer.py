@@ -112,6 +112,14 @@ def test_stop_checker_earliest_match_and_flush() -> None:
     assert StopChecker().add("free text") == ("free text", False)
 
 
+def test_stop_strings_before_min_tokens_do_not_count() -> None:
+    stop = StopChecker(["END"])
+    assert stop.add("a END b", check=False) == ("a END b", False)  # inside min_tokens
+    assert stop.add(" c EN", check=False) == (" c ", False)  # a possible start is held
+    assert stop.add("D d") == ("", True)  # past min_tokens a match ending here counts
+    assert stop.text == "a END b c "
+
+
 def test_chat_template_from_config(tmp_path: Path) -> None:
     template = (
         "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{{ eos_token }}"
