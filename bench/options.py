@@ -18,6 +18,7 @@ from bench.metrics import METRICS, parse_goodput
 from bench.runner import RunSpec, WorkloadFn
 from bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
 from workers.checkpoints import BUILTIN_MODEL_NAME, resolve_checkpoint
+from workers.sim.profiles import is_sim_model
 
 WORKLOADS = ("shared-prefix", "multi-turn", "rag", "trace", "random")
 DEFAULT_TRACE = "bench/traces/mooncake_conversation_1000.jsonl"
@@ -69,9 +70,9 @@ def _as_chat(fn: WorkloadFn, tokenizer: str | None) -> WorkloadFn:
 
 def default_vocab_size(model: str | None) -> int:
     """The vocab of the served model; for the built-in tiny model (and a remote endpoint's
-    unknown one) its 256 byte tokens (its special tokens would make chat-template markers
-    appear in prompts)."""
-    if model is None or model == BUILTIN_MODEL_NAME:
+    unknown one, and a simulated one, which serves its tokenizer) its 256 byte tokens (its
+    special tokens would make chat-template markers appear in prompts)."""
+    if model is None or model == BUILTIN_MODEL_NAME or is_sim_model(model):
         return 256
     path = resolve_checkpoint(model)
     return int(json.loads((path / "config.json").read_text())["vocab_size"])

@@ -44,13 +44,10 @@ from cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    ModelCard,
-    ModelList,
     format_validation_error,
-    new_id,
-    now,
 )
 from cluster.render import Renderer, collect, stream_response, worker_headers
+from cluster.responses import ModelCard, ModelList, new_id, now
 from cluster.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -61,6 +58,7 @@ from cluster.tokenize_protocol import (
 from cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
 from workers.checkpoints import resolve_checkpoint
 from workers.models.config import load_model_config
+from workers.sim import profiles as sim
 
 logger = logging.getLogger("ray.serve")
 
@@ -150,13 +148,18 @@ class OpenAIIngress:
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
-        model_path = resolve_checkpoint(model)  # on this node: paths differ between nodes
+        if sim.is_sim_model(model):  # no checkpoint: the sim tokenizer's, the profile's limits
+            profile = sim.profile_for(model)
+            model_path = resolve_checkpoint(sim.TOKENIZER_MODEL)
+            model_len, self.vocab_size = profile.max_model_len, profile.served_vocab_size
+        else:
+            model_path = resolve_checkpoint(model)  # on this node: paths differ between nodes
+            config = load_model_config(model_path)
+            model_len, self.vocab_size = config.max_model_len, config.vocab_size
         self.tokenizer = Tokenizer(tokenizer or model_path, chat_template)
-        config = load_model_config(model_path)
         self.model_name = model_name
         self.render = Renderer(self.tokenizer, model_name)
-        self.max_model_len = min(max_model_len or config.max_model_len, config.max_model_len)
-        self.vocab_size = config.vocab_size
+        self.max_model_len = min(max_model_len or model_len, model_len)
         self.created = now()
 
     # -- routes -------------------------------------------------------------------------------

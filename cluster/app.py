@@ -26,12 +26,12 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
 from cluster.api import OpenAIIngress
-from cluster.config import API_KEY_ENV, API_KEYS_ENV, ClusterConfig
+from cluster.config import ClusterConfig
 from cluster.guard import GuardSettings
+from cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
 from router.index import IndexSettings
 from router.router_state import RouterSettings
 from router.routing_policies import ROUTING_POLICIES
-from workers.checkpoints import checkpoint_fingerprint
 from workers.deployment import worker_deployment
 
 ROUTING_STATS_PERIOD_S = 2.0  # how fresh the index routers' fallback loads are
@@ -39,14 +39,14 @@ ROUTING_STATS_PERIOD_S = 2.0  # how fresh the index routers' fallback loads are
 
 def build_app(config: ClusterConfig) -> Application:
     """The whole cluster as one Serve application (ingress → workers)."""
-    model_path = config.model_path()  # converts a GGUF here first, so replicas find it done
+    fingerprint = config.model_fingerprint()  # converts a GGUF here first: replicas find it done
     model_name = config.model_name()
     # Baselines run without the index, so they pay none of its costs.
     redis_url = config.deployable_redis_url()
     router = config.router.model_copy(update={
         "model": model_name,
         "block_size": config.engine.block_size,
-        "fingerprint": checkpoint_fingerprint(model_path),
+        "fingerprint": fingerprint,
     })
     workers = worker_deployment(
         num_replicas=config.workers.num_workers,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from cluster.protocol import ErrorResponse
+from cluster.responses import ErrorResponse
 
 
 class ApiError(Exception):

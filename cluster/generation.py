@@ -23,7 +23,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.errors import ApiError
-from cluster.protocol import Usage
+from cluster.responses import Usage
 from cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from router.request import GenerateRequest, TokenDelta, TokenLogprob
 from workers.errors import InvalidRequestError

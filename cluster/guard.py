@@ -36,14 +36,14 @@ from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.config import (
+from cluster.errors import ApiError
+from cluster.ingress_config import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_IDLE_STREAM_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_LOGPROBS,
     DEFAULT_MAX_REQUEST_TOKENS,
     IngressConfig,
 )
-from cluster.errors import ApiError
 
 OPEN_PATHS = frozenset({"/health"})
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})

@@ -18,11 +18,11 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from cluster.generation import ChoiceDelta, Generation, to_api_error
-from cluster.protocol import (
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -31,7 +31,6 @@ from cluster.protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     TopLogprob,
     Usage,

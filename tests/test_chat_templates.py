@@ -17,7 +17,8 @@ import pytest
 from test_tokenizer import _write_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cluster.config import ClusterConfig, IngressConfig
+from cluster.config import ClusterConfig
+from cluster.ingress_config import IngressConfig
 from cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
 from workers.checkpoints import packaged_gguf
 

@@ -22,9 +22,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from cluster.config import ClusterConfig, IngressConfig
+from cluster.config import ClusterConfig
 from cluster.errors import ApiError
 from cluster.guard import Guard, GuardSettings, key_digest
+from cluster.ingress_config import IngressConfig
 from cluster.local_redis import free_port
 from cluster.render import ClosingStreamingResponse
 

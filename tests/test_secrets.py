@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from cluster.app import app_builder
-from cluster.config import API_KEYS_ENV, REDIS_URL_ENV, ClusterConfig
+from cluster.config import REDIS_URL_ENV, ClusterConfig
+from cluster.ingress_config import API_KEYS_ENV
 from router.secret_refs import SecretNotFound, resolve, url_has_secret
 
 SECRET_URL = "rediss://:s3cret@redis.example:6380/0"

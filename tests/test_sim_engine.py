@@ -125,4 +125,5 @@ def test_a_replica_loads_a_sim_model_that_sleeps_its_steps() -> None:
     events: list = []
     eng = _load_engine("sim:cpu-smollm2", EngineConfig(num_blocks=64), events.append)
     assert isinstance(eng, SimEngine) and eng.sleep
-    assert eng.model_fingerprint == CPU_SMOLLM2.fingerprint and eng.vocab_size == 49152
+    # its token ids are the sim tokenizer's (docs/simulation.md), its cache namespace the profile's
+    assert eng.model_fingerprint == CPU_SMOLLM2.fingerprint and eng.vocab_size == 264

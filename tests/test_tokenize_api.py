@@ -11,9 +11,10 @@ import pytest
 from starlette.requests import Request
 
 from cluster.api import VERSION, OpenAIIngress
-from cluster.config import ClusterConfig, IngressConfig
+from cluster.config import ClusterConfig
 from cluster.errors import ApiError
 from cluster.guard import GuardSettings
+from cluster.ingress_config import IngressConfig
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
 MAX_MODEL_LEN = 64

@@ -103,9 +103,12 @@ def _load_engine(
     model: str, config: EngineConfig, on_kv_events: Callable[[list[KVEvent]], None]
 ) -> LLMEngine | SimEngine:
     """The engine for `model`, resolved on this node (a GGUF converted once per node);
-    ``sim:<profile>`` is a simulated engine whose steps sleep their modelled time."""
+    ``sim:<profile>`` is a simulated engine whose steps sleep their modelled time, its token ids
+    within the sim tokenizer's vocabulary (docs/simulation.md)."""
     if is_sim_model(model):
-        return SimEngine(profile_for(model), config, on_kv_events, sleep=True)
+        profile = profile_for(model)
+        return SimEngine(profile, config, on_kv_events, sleep=True,
+                         vocab_size=profile.served_vocab_size)
     return LLMEngine.from_pretrained(resolve_checkpoint(model), config, on_kv_events)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import operator
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from router.events import KVEvent
 from router.request import TokenLogprob
 from workers.checkpoints import checkpoint_fingerprint
 from workers.engine_types import (
+    RATE_SMOOTHING,
     EngineConfig,
     EngineStats,
     GenerateOutput,
@@ -43,12 +43,12 @@ from workers.logits_processors import TokenHistory, needs_history
 from workers.model_runner import ModelRunner, keep_cpu_heap
 from workers.models.base import CausalLM
 from workers.models.loader import load_model, resolve_device
+from workers.request_checks import checked_request
 from workers.sampling import Sampler, SamplingParams, make_generator
 from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 log = logging.getLogger(__name__)
 
-RATE_SMOOTHING = 0.2  # weight of the newest step in the exponentially smoothed rates
 
 
 @dataclass(eq=False)
@@ -143,37 +143,8 @@ class LLMEngine:
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
-        sampling_params.validate()
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise InvalidRequestError("cache_salt must be a string or None")
-        if tenant is not None and not isinstance(tenant, str):
-            raise InvalidRequestError("tenant must be a string or None")
-        try:
-            prompt = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise InvalidRequestError("prompt token ids must be integers") from None
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        # max_model_len never exceeds the KV pool (fit_max_model_len), so this check also
-        # refuses every prompt the pool could not hold
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; this worker's context (max_model_len, at "
-                f"most what its KV cache holds) is {self.max_model_len} tokens, including at "
-                "least 1 to generate"
-            )
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            bad = next(t for t in prompt if not 0 <= t < self.vocab_size)
-            raise InvalidRequestError(
-                f"token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-            )
-        biased = [t for t in sampling_params.logit_bias or () if t >= self.vocab_size]
-        if biased:  # an out-of-range index would fail the whole batch's step
-            raise InvalidRequestError(
-                f"logit_bias token id {biased[0]} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        prompt = checked_request(prompt_token_ids, sampling_params, cache_salt, tenant,
+                                 self.max_model_len, self.vocab_size)
         stop = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             stop.update(self.eos_token_ids)

@@ -12,6 +12,7 @@ from router.blocks import DEFAULT_BLOCK_SIZE
 from router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
+RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
 
 
 class EngineConfig(BaseModel):

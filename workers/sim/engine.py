@@ -7,7 +7,7 @@ attributes), and runs the same :class:`workers.scheduler.Scheduler` over the sam
 :class:`workers.kv_cache.KVCacheManager` with the same block hashing. So its prefix hits, KV
 events, preemptions and load are the real engine's for the same token streams; only the forward
 pass is replaced by a cost model (:mod:`workers.sim.profiles`) and the sampler by a token
-source. No torch, no tensors: a thousand of them fit in one process (``bench.simulate``).
+source. No tensors: a thousand of them fit in one process (``bench.simulate``).
 
 Time: each step's modelled duration is ``last_step_s``. With ``sleep=True`` (a Serve replica)
 ``step`` sleeps it, so streams take modelled time; otherwise the caller owns the clock (the
@@ -17,7 +17,6 @@ tier-2 simulator advances a virtual one) and ``clock_s`` sums the steps.
 from __future__ import annotations
 
 import copy
-import operator
 import time
 import zlib
 from collections.abc import Callable
@@ -25,14 +24,14 @@ from dataclasses import dataclass, field
 
 from router import blocks
 from router.events import KVEvent
-from workers.engine_types import EngineConfig, EngineStats, RequestOutput
+from workers.engine_types import RATE_SMOOTHING, EngineConfig, EngineStats, RequestOutput
 from workers.errors import InvalidRequestError
 from workers.kv_cache import KVCacheManager
+from workers.kv_tensor import fit_max_model_len
+from workers.request_checks import checked_request
 from workers.sampling import SamplingParams
 from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 from workers.sim.profiles import SimProfile
-
-RATE_SMOOTHING = 0.2  # as workers.engine: weight of the newest step in the smoothed rates
 
 TokenSource = Callable[[Sequence], int]
 
@@ -46,17 +45,6 @@ def hashed_tokens(vocab_size: int) -> TokenSource:
         return (key * 2654435761 + seq.num_output_tokens * 40503) % vocab_size
 
     return next_token
-
-
-def fit_context(configured: int | None, model_len: int, num_blocks: int, block_size: int) -> int:
-    """The served context, as the real engine fits it: a configured one the pool cannot hold
-    is refused, the model's default is capped to the pool."""
-    pool_tokens = num_blocks * block_size
-    if configured is None:
-        return min(model_len, pool_tokens)
-    if configured > pool_tokens:
-        raise ValueError(f"max_model_len {configured} exceeds the KV pool ({pool_tokens} tokens)")
-    return configured
 
 
 @dataclass(eq=False)
@@ -80,13 +68,15 @@ class SimEngine:
         *,
         sleep: bool = False,
         token_source: TokenSource | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """``vocab_size`` narrows the profile's (a served replica: its tokenizer's ids only)."""
         config = config or EngineConfig()
         self.profile = profile
         self.config = config
         self.block_size = config.block_size
         self.model_fingerprint = config.model_fingerprint or profile.fingerprint
-        self.vocab_size = profile.vocab_size
+        self.vocab_size = vocab_size or profile.vocab_size
         self.eos_token_ids: tuple[int, ...] = ()
         if config.max_model_len is not None and config.max_model_len > profile.max_model_len:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
@@ -98,13 +88,13 @@ class SimEngine:
             num_blocks = max(1, config.kv_cache_memory_bytes // per_block)
         else:
             num_blocks = profile.default_num_blocks(config.block_size)
-        self.max_model_len = fit_context(config.max_model_len, profile.max_model_len, num_blocks,
-                                         config.block_size)
+        self.max_model_len = fit_max_model_len(
+            config.max_model_len, profile.max_model_len, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self.on_kv_events = on_kv_events
         self.sleep = sleep
-        self.next_token = token_source or hashed_tokens(profile.vocab_size)
+        self.next_token = token_source or hashed_tokens(self.vocab_size)
         self.last_step_s = 0.0
         self.clock_s = 0.0  # modelled time of every step so far
         self._requests: dict[str, _Request] = {}
@@ -134,22 +124,8 @@ class SimEngine:
         """Queue a request; InvalidRequestError (nothing changed) on what the real one refuses."""
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
-        if not isinstance(sampling_params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
-        sampling_params.validate()
-        try:
-            prompt = [operator.index(t) for t in prompt_token_ids]
-        except TypeError:
-            raise InvalidRequestError("prompt token ids must be integers") from None
-        if not prompt:
-            raise InvalidRequestError("prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(prompt)} tokens; this worker's context is "
-                f"{self.max_model_len} tokens, including at least 1 to generate")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise InvalidRequestError(
-                f"a token id is outside the vocabulary [0, {self.vocab_size})")
+        prompt = checked_request(prompt_token_ids, sampling_params, cache_salt, tenant,
+                                 self.max_model_len, self.vocab_size)
         stop = frozenset(sampling_params.stop_token_ids)
         req = _Request(request_id, sampling_params, len(prompt), stop)
         hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))

@@ -22,6 +22,13 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from workers.checkpoints import BUILTIN_MODEL_NAME
+
+# A served sim model has no checkpoint: the ingress tokenizes with the built-in model's tokenizer
+# and every token id it may see or emit lies below that tokenizer's vocabulary, so all decode.
+TOKENIZER_MODEL = BUILTIN_MODEL_NAME
+TOKENIZER_VOCAB_SIZE = 264  # workers.builtin.VOCAB_SIZE (that module imports torch; a test pins it)
+
 
 @dataclass(frozen=True)
 class SimProfile:
@@ -46,6 +53,11 @@ class SimProfile:
         """Changes with any parameter: caches of two differently modelled engines never mix."""
         payload = json.dumps(asdict(self), sort_keys=True).encode()
         return "sim-" + hashlib.sha256(payload).hexdigest()[:24]
+
+    @property
+    def served_vocab_size(self) -> int:
+        """Token ids a served replica accepts and emits: the model's, capped to the tokenizer's."""
+        return min(self.vocab_size, TOKENIZER_VOCAB_SIZE)
 
     def default_num_blocks(self, block_size: int) -> int:
         return max(1, self.default_kv_cache_bytes // (self.kv_bytes_per_token * block_size))
@@ -160,3 +172,8 @@ def profile_for(model: str) -> SimProfile:
     except KeyError:
         known = ", ".join(SIM_PREFIX + n for n in PROFILES)
         raise ValueError(f"no simulation profile {name!r} (known: {known})") from None
+
+
+def served_name(model: str) -> str:
+    """The name clients send for ``sim:<profile>`` by default: ``sim-<profile>``."""
+    return "sim-" + profile_for(model).name
