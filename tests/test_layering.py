@@ -142,7 +142,7 @@ def test_the_graph_is_read_at_every_depth() -> None:
     assert "workers.models.config" in MODULES  # subpackages too
     pairs = {(e.source, e.target): e for e in EDGES}
     assert pairs[("workers.kv_cache", "router.events")].at_import_time
-    assert ("workers.engine", "router.blocks") in pairs  # `from router import blocks`
+    assert ("workers.engine_core", "router.blocks") in pairs  # `from router import blocks`
     assert not pairs[("bench.soak", "bench.launch")].at_import_time  # a function-level import
 
 

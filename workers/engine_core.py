@@ -1,0 +1,287 @@
+"""EngineCore: the request bookkeeping the real and the simulated engine share.
+
+:class:`workers.engine.LLMEngine` and :class:`workers.sim.engine.SimEngine` run the same
+:class:`workers.scheduler.Scheduler` over the same :class:`workers.kv_cache.KVCacheManager`
+with the same block hashing, forking, stop checks and outputs; only how a step's tokens are
+produced differs (a forward pass and a sampler, or a cost model and a token source). Keeping
+that bookkeeping here, once, is what makes the simulator's prefix hits, KV events, preemptions
+and load the real engine's for the same token streams.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from router import blocks
+from router.events import KVEvent
+from router.request import TokenLogprob
+from workers.engine_types import RATE_SMOOTHING, EngineConfig, EngineStats, RequestOutput
+from workers.errors import InvalidRequestError
+from workers.kv_cache import KVCacheManager
+from workers.kv_tensor import fit_max_model_len
+from workers.request_checks import checked_request
+from workers.sampling import SamplingParams
+from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
+
+# One appended token: the sample, its token id and (real engine, when asked) its logprob.
+Pick = tuple[Sequence, int, TokenLogprob | None]
+
+
+def check_max_model_len(requested: int | None, model_max: int) -> None:
+    """Refuse a configured context the model cannot take (before any memory is sized)."""
+    if requested is not None and requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's {model_max}")
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One request's samples; it ends when all ``params.n`` of them are done."""
+
+    request_id: str
+    params: SamplingParams
+    num_prompt_tokens: int
+    stop_ids: frozenset[int]
+    seqs: list[Sequence] = field(default_factory=list)
+    num_done: int = 0
+
+
+class EngineCore:
+    """Scheduler, KV manager and requests; subclasses supply ``step`` (see module docstring)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_fingerprint: str,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        model_max_len: int,
+        num_blocks: int,
+        on_kv_events: Callable[[list[KVEvent]], None] | None,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.model_fingerprint = model_fingerprint
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self.on_kv_events = on_kv_events
+        self.max_model_len = fit_max_model_len(
+            config.max_model_len, model_max_len, num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self._requests: dict[str, EngineRequest] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
+        self._ns_cache: dict[str | None, bytes] = {}
+        self._prefill_rate = 0.0
+        self._decode_rate = 0.0
+
+    def namespace(self, cache_salt: str | None) -> bytes:
+        ns = self._ns_cache.get(cache_salt)
+        if ns is None:
+            ns = blocks.namespace(self.model_fingerprint, cache_salt)
+            if len(self._ns_cache) < 1024:
+                self._ns_cache[cache_salt] = ns
+        return ns
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Queue a request; raises InvalidRequestError (and changes nothing) on bad input.
+
+        ``tenant`` is whose fair share of the batch the request uses (see workers.scheduler).
+        """
+        if request_id in self._requests:
+            raise InvalidRequestError(f"duplicate request_id {request_id!r}")
+        prompt = checked_request(prompt_token_ids, sampling_params, cache_salt, tenant,
+                                 self.max_model_len, self.vocab_size)
+        stop = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop.update(self.eos_token_ids)
+        req = EngineRequest(request_id, sampling_params, len(prompt), frozenset(stop))
+        hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))
+        hasher.append(prompt)
+        seq = Sequence(seq_id=f"{request_id}#0", request_id=request_id, index=0,
+                       token_ids=prompt, num_prompt_tokens=len(prompt), params=sampling_params,
+                       hasher=hasher, tenant=tenant)
+        self._init_seq(seq)
+        req.seqs.append(seq)
+        self._requests[request_id] = req
+        self.scheduler.add(seq)
+
+    def _init_seq(self, seq: Sequence) -> None:
+        """Per-sample state a subclass keeps in ``seq.extra`` (the real one: its generator)."""
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks now; its samples report "abort" next step."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status is not SeqStatus.FINISHED:
+                self.scheduler.finish(seq, "abort")
+                self._pending.append(self._output(req, seq, []))
+                if not seq.forked:
+                    self._pending.extend(self._unborn(req, seq))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    # ----------------------------------------------------------------- appending tokens
+
+    def _fork_sampled(self, sampled: list[Sequence]) -> tuple[list[Sequence], list[int]]:
+        """The samples that take a token this step (an ``n > 1`` request forks at its first)
+        and, for each, its row in ``sampled`` (the logits row it samples from)."""
+        targets: list[Sequence] = []
+        rows: list[int] = []
+        for i, seq in enumerate(sampled):
+            if not seq.forked and seq.params.n > 1:
+                targets.extend(self._fork(seq))
+                rows.extend([i] * seq.params.n)
+            else:
+                targets.append(seq)
+                rows.append(i)
+        return targets, rows
+
+    def _append_tokens(self, picks: Iterable[Pick], outputs: list[RequestOutput]) -> None:
+        """Append each pick's token, then stop / length checks; finished samples retire."""
+        done: set[Sequence] = set()
+        for seq, tok, lp in picks:
+            req = self._requests[seq.request_id]
+            seq.append_token(tok)
+            reason = None
+            if tok in req.stop_ids and self._may_stop(req, seq):
+                reason = "stop"
+            elif (seq.num_output_tokens >= req.params.max_tokens
+                  or seq.num_tokens >= self.max_model_len):
+                reason = "length"
+            lps = None if lp is None else [lp]
+            if reason is None:
+                outputs.append(self._output(req, seq, [tok], lps))
+            else:
+                self._retire(seq, reason, outputs, [tok], lps)
+                done.add(seq)
+        self.scheduler.remove_finished(done)
+
+    def _may_stop(self, req: EngineRequest, seq: Sequence) -> bool:
+        """Whether a stop token ends the sample; the real sampler never draws one too early."""
+        return True
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Split a finished prefill into its n samples, sharing every block (CoW on write)."""
+        req = self._requests[parent.request_id]
+        parent.forked = True
+        family = [parent]
+        for index in range(1, parent.params.n):
+            child = Sequence(
+                seq_id=f"{parent.request_id}#{index}", request_id=parent.request_id,
+                index=index, token_ids=list(parent.token_ids),
+                num_prompt_tokens=parent.num_prompt_tokens, params=parent.params,
+                hasher=copy.deepcopy(parent.hasher),
+                num_computed_tokens=parent.num_computed_tokens,
+                num_cached_tokens=parent.num_cached_tokens, status=SeqStatus.RUNNING,
+                forked=True, tenant=parent.tenant)
+            self._init_seq(child)
+            self.kv.fork(parent.seq_id, child.seq_id)
+            self.scheduler.running.append(child)
+            req.seqs.append(child)
+            family.append(child)
+        return family
+
+    def _retire(
+        self,
+        seq: Sequence,
+        reason: str,
+        outputs: list[RequestOutput],
+        tokens: list[int],
+        lps: list[TokenLogprob] | None = None,
+    ) -> None:
+        """Finish one sample: free its blocks; the request ends with its last sample."""
+        req = self._requests[seq.request_id]
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.kv.free(seq.seq_id)
+        outputs.append(self._output(req, seq, tokens, lps))
+        req.num_done += 1
+        if not seq.forked:  # ended before its n > 1 samples were forked: they end with it
+            outputs.extend(self._unborn(req, seq))
+            req.num_done = req.params.n
+        if req.num_done == req.params.n:
+            del self._requests[seq.request_id]
+
+    def _unborn(self, req: EngineRequest, parent: Sequence) -> list[RequestOutput]:
+        """Final outputs for samples 1..n-1 of a request whose parent never forked."""
+        outs = []
+        for index in range(1, req.params.n):
+            out = self._output(req, parent, [])
+            out.index = index
+            outs.append(out)
+        return outs
+
+    @staticmethod
+    def _output(
+        req: EngineRequest, seq: Sequence, tokens: list[int], lps: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            index=seq.index,
+            new_token_ids=tokens,
+            new_logprobs=lps,
+            finished=seq.status is SeqStatus.FINISHED,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+        )
+
+    def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        a = RATE_SMOOTHING
+        if sched.num_prefill_tokens:
+            rate = sched.num_prefill_tokens / seconds
+            self._prefill_rate = (
+                rate if not self._prefill_rate else (a * rate + (1 - a) * self._prefill_rate)
+            )
+        if sched.num_decode_tokens:
+            rate = sched.num_decode_tokens / seconds
+            self._decode_rate = (
+                rate if not self._decode_rate else (a * rate + (1 - a) * self._decode_rate)
+            )
+
+    def _flush_events(self) -> None:
+        events = self.kv.take_events()
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
+
+    # ----------------------------------------------------------------- introspection
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            prompt_tokens_queried=s.prompt_tokens_queried,
+            prompt_tokens_hit=s.prompt_tokens_hit,
+            kv_usage=self.kv.usage,
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            queued_prefill_tokens=s.queued_prefill_tokens(),
+            prefill_tokens_per_s=self._prefill_rate,
+            decode_tokens_per_s=self._decode_rate,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            num_preemptions=s.num_preemptions,
+        )
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.kv.cached_hashes()
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached hash; ``AllBlocksCleared`` goes out at once."""
+        self.kv.reset_prefix_cache()
+        self._flush_events()
