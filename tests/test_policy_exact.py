@@ -1,1 +1,193 @@
-"""placeholder"""
+"""The routing cost model, exactly: config bounds, every Score field, tie-breaking rules."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import fields
+
+import pytest
+
+from router.events import WorkerLoad
+from router.policy import (
+    PolicyConfig,
+    Score,
+    WorkerView,
+    _weight,
+    cached_tokens,
+    rank,
+    reference_prefill_rate,
+    rendezvous,
+    score,
+)
+
+CFG = PolicyConfig()  # block 16, prefill 4000/s, decode 1000/s, weights 2 and 0.5, credit 0.95
+
+
+def ref_rendezvous(tie_key: bytes, worker_key: str) -> int:
+    digest = hashlib.blake2b(tie_key + b"\x00" + worker_key.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def test_weight_fields_carry_default_and_description() -> None:
+    f = _weight(3.5, "how much")
+    assert f.default == 3.5
+    assert dict(f.metadata) == {"description": "how much"}
+    described = {f.name: f.metadata.get("description") for f in fields(PolicyConfig)}
+    assert described["uncached_weight"].startswith("Cost of an uncached prompt token")
+    assert described["block_size"] is None
+    assert PolicyConfig().uncached_weight == 2.0 and PolicyConfig().tie_tolerance_s == 0.001
+
+
+@pytest.mark.parametrize(
+    ("fields_", "message"),
+    [
+        ({"block_size": 0}, "block_size must be >= 1"),
+        ({"default_prefill_tokens_per_s": 0.0}, "default rates must be > 0"),
+        ({"default_decode_tokens_per_s": 0.0}, "default rates must be > 0"),
+        ({"predicted_credit": -0.01}, "predicted_credit must be in [0, 1]"),
+        ({"predicted_credit": 1.01}, "predicted_credit must be in [0, 1]"),
+        ({"uncached_weight": 0.99}, "uncached_weight must be >= 1 and decode_weight >= 0"),
+        ({"decode_weight": -0.01}, "uncached_weight must be >= 1 and decode_weight >= 0"),
+    ],
+)
+def test_config_rejects_out_of_range(fields_: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        PolicyConfig(**fields_)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    "fields_",
+    [
+        {"block_size": 1},
+        {"default_prefill_tokens_per_s": 0.5, "default_decode_tokens_per_s": 0.5},
+        {"predicted_credit": 0.0},
+        {"predicted_credit": 1.0},
+        {"uncached_weight": 1.0, "decode_weight": 0.0},
+        {"uncached_weight": 1.5, "decode_weight": 0.5},
+    ],
+)
+def test_config_accepts_the_bounds(fields_: dict[str, float]) -> None:
+    config = PolicyConfig(**fields_)
+    for name, value in fields_.items():
+        assert getattr(config, name) == value
+
+
+def test_reference_rate_is_the_mean_of_measured_rates() -> None:
+    views = [
+        WorkerView("a", load=WorkerLoad(prefill_tokens_per_s=1000.0)),
+        WorkerView("b", load=WorkerLoad(prefill_tokens_per_s=3000.0)),
+        WorkerView("c", load=WorkerLoad()),  # unmeasured: left out
+        WorkerView("d"),
+    ]
+    assert reference_prefill_rate(views, CFG) == 2000.0
+    assert reference_prefill_rate(views[2:], CFG) == 4000.0
+    assert reference_prefill_rate([], PolicyConfig(default_prefill_tokens_per_s=7.0)) == 7.0
+
+
+def test_cached_tokens_credit_and_caps() -> None:
+    view = WorkerView("a", confirmed_depth=2, predicted_depth=6)
+    assert cached_tokens(view, 1000, CFG) == pytest.approx(16 * (2 + 0.95 * 4))
+    assert cached_tokens(view, 40, CFG) == 39  # the last prompt token is always computed
+    assert cached_tokens(WorkerView("a", confirmed_depth=3, predicted_depth=1), 1000, CFG) == 48
+    assert cached_tokens(WorkerView("a"), 1, CFG) == 0.0
+
+
+def test_score_without_load_report() -> None:
+    view = WorkerView("w", confirmed_depth=1, predicted_depth=3, pending_prefill_tokens=400,
+                      pending_requests=2, queue_len=1)
+    s = score(view, 100, CFG, 4000.0)
+    cached = 16 * (1 + 0.95 * 2)
+    assert s == Score(
+        key="w",
+        cost_s=pytest.approx(400 / 4000 + 2 * (100 - cached) / 4000 + 0.5 * 2 / 1000),
+        cached_tokens=pytest.approx(cached),
+        uncached_tokens=pytest.approx(100 - cached),
+        matched_blocks=3,
+        new_tokens=100 - 48,
+    )
+
+
+def test_score_of_an_idle_unknown_worker_is_its_own_prefill_only() -> None:
+    s = score(WorkerView("w"), 100, CFG, 5000.0)
+    assert s.cost_s == pytest.approx(2 * 100 / 5000, rel=1e-12)
+    assert (s.cached_tokens, s.uncached_tokens, s.matched_blocks, s.new_tokens) == (0, 100, 0, 100)
+
+
+def test_score_with_load_report_adds_router_pending_work() -> None:
+    load = WorkerLoad(num_running=3, queued_prefill_tokens=600, prefill_tokens_per_s=2000.0,
+                      decode_tokens_per_s=1500.0)
+    view = WorkerView("w", load=load, pending_prefill_tokens=200, pending_requests=2)
+    s = score(view, 50, CFG, 4000.0)
+    # queued at the worker's own rate; 3 running + 2 routed since; decode at its (higher) rate
+    expected = (600 + 200) / 2000 + 2 * 50 / 4000 + 0.5 * (3 + 2) / 1500
+    assert s.cost_s == pytest.approx(expected, rel=1e-12)
+    # Serve's queue length is a floor on the running count
+    floored = score(WorkerView("w", load=load, pending_requests=2, queue_len=9), 50, CFG, 4000.0)
+    assert floored.cost_s == pytest.approx(600 / 2000 + 100 / 4000 + 0.5 * 9 / 1500, rel=1e-12)
+
+
+def test_score_measured_decode_rate_is_floored_and_unmeasured_prefill_uses_reference() -> None:
+    load = WorkerLoad(num_running=4, decode_tokens_per_s=10.0, queued_prefill_tokens=300)
+    s = score(WorkerView("w", load=load), 20, CFG, 3000.0)
+    assert s.cost_s == pytest.approx(300 / 3000 + 2 * 20 / 3000 + 0.5 * 4 / 1000, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("confirmed", "predicted", "prompt", "new_tokens"),
+    [
+        (0, 0, 100, 100),
+        (2, 0, 100, 68),
+        (2, 5, 100, 20),  # every predicted block is assumed to land
+        (5, 2, 100, 20),
+        (7, 0, 100, 1),  # a full match still recomputes the last token
+        (6, 0, 97, 1),
+        (6, 0, 98, 2),
+        (1, 0, 1, 1),
+    ],
+)
+def test_new_tokens(confirmed: int, predicted: int, prompt: int, new_tokens: int) -> None:
+    view = WorkerView("w", confirmed_depth=confirmed, predicted_depth=predicted)
+    assert score(view, prompt, CFG, 4000.0).new_tokens == new_tokens
+
+
+def test_rendezvous_is_blake2b_64_big_endian() -> None:
+    for tie_key, worker in [(b"", "a"), (b"prefix", "worker-1"), (b"\x00" * 16, "w")]:
+        assert rendezvous(tie_key, worker) == ref_rendezvous(tie_key, worker)
+    assert rendezvous(b"ab", "c") != rendezvous(b"a", "bc")  # the separator matters
+    assert rendezvous(b"x", "a") < 2**64
+
+
+def test_rank_validates_prompt_length() -> None:
+    assert [s.key for s in rank(1, [WorkerView("a")], CFG)] == ["a"]
+    with pytest.raises(ValueError, match=r"^a request has at least one prompt token$"):
+        rank(0, [WorkerView("a")], CFG)
+
+
+def test_tied_workers_order_by_rendezvous_with_the_empty_default_key() -> None:
+    workers = [WorkerView(f"w{i}") for i in range(8)]
+    expected = sorted((w.key for w in workers), key=lambda k: -ref_rendezvous(b"", k))
+    assert [s.key for s in rank(50, workers, CFG)] == expected
+    keyed = sorted((w.key for w in workers), key=lambda k: -ref_rendezvous(b"k", k))
+    assert [s.key for s in rank(50, workers, CFG, b"k")] == keyed
+
+
+def test_cost_exactly_at_the_tolerance_ties_and_depth_wins() -> None:
+    config = PolicyConfig(block_size=1, default_prefill_tokens_per_s=1.0,
+                          default_decode_tokens_per_s=1.0, uncached_weight=1.0,
+                          decode_weight=0.5, predicted_credit=0.0, tie_tolerance_s=0.5)
+    # a: 10 s of prefill; b: the same plus one running sequence (0.5 s) and a predicted match
+    # that is credited nothing but counts as depth
+    a = WorkerView("a")
+    b = WorkerView("b", predicted_depth=5, queue_len=1)
+    ranking = rank(10, [a, b], config)
+    assert [(s.key, s.cost_s) for s in ranking] == [("b", 10.5), ("a", 10.0)]
+    # just past the tolerance, cost decides
+    c = WorkerView("c", predicted_depth=5, queue_len=2)
+    assert [s.key for s in rank(10, [a, c], config)] == ["a", "c"]
+
+
+def test_untied_workers_rank_by_cost() -> None:
+    workers = [WorkerView("a", queue_len=30), WorkerView("b", queue_len=10),
+               WorkerView("c", queue_len=20)]
+    assert [s.key for s in rank(16, workers, CFG)] == ["b", "c", "a"]

@@ -234,7 +234,7 @@ def test_remove_finished_keeps_the_others_in_order() -> None:
 
 def fork(sched: Scheduler, parent: Sequence) -> list[Sequence]:
     """What the engine does when an n > 1 prompt finishes: n - 1 running siblings share its
-    blocks (workers.engine.LLMEngine._fork)."""
+    blocks (workers.engine_core.EngineCore._fork)."""
     parent.forked = True
     children = []
     for index in range(1, parent.params.n):
