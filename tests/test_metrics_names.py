@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import ray.dashboard.modules.metrics.dashboards as ray_dashboards
 import yaml
+from test_router_state import ABC, TOKENS_A, lookup, state
 
 from router.router_state import Outcome
-from tests.test_router_state import ABC, TOKENS_A, lookup, state
 from workers.engine_types import EngineStats, RequestOutput
 from workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 
