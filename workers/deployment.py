@@ -31,14 +31,11 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, fields
 from typing import Any
 
-import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -52,6 +49,7 @@ from workers.engine import LLMEngine
 from workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
 from workers.engine_types import EngineConfig, RequestOutput
 from workers.errors import InvalidRequestError
+from workers.placement import device_for, node_id, replica_id, rss_bytes
 from workers.sampling import SamplingParams
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import is_sim_model, profile_for
@@ -76,29 +74,6 @@ def sampling_params(sampling: dict[str, Any]) -> SamplingParams:
     return params
 
 
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside Serve (offline use): any unique name will do
-        return f"local-{uuid.uuid4().hex[:8]}"
-
-
-def _node_id() -> str:
-    try:
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-    except Exception:
-        return ""
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process (0 where /proc is missing)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def _load_engine(
     model: str, config: EngineConfig, on_kv_events: Callable[[list[KVEvent]], None]
 ) -> LLMEngine | SimEngine:
@@ -110,18 +85,6 @@ def _load_engine(
         return SimEngine(profile, config, on_kv_events, sleep=True,
                          vocab_size=profile.served_vocab_size)
     return LLMEngine.from_pretrained(resolve_checkpoint(model), config, on_kv_events)
-
-
-def _device(requested: str) -> str:
-    """``auto``: in a Ray actor, the GPU Ray assigned to it (else CPU); elsewhere any GPU."""
-    if requested != "auto":
-        return requested
-    import torch
-
-    in_actor = ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
-    if in_actor and not ray.get_gpu_ids():
-        return "cpu"  # a GPU visible to a replica that did not ask for one is someone else's
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class LLMWorker:
@@ -162,7 +125,7 @@ class LLMWorker:
             raise ValueError("stream_interval must be >= 1")
         if drain_timeout_s < 0 or stall_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and stall_timeout_s > 0")
-        self.replica_id = _replica_id()
+        self.replica_id = replica_id()
         self.model_name = model_name
         self._stream_interval = stream_interval
         self._ids = itertools.count()
@@ -178,7 +141,7 @@ class LLMWorker:
 
         index_url = resolve(redis_url) if redis_url else None  # fails before loading anything
         config = EngineConfig.model_validate(engine)
-        config = config.model_copy(update={"device": _device(config.device)})
+        config = config.model_copy(update={"device": device_for(config.device)})
         index = IndexSettings.model_validate(index or {})
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(
@@ -200,7 +163,7 @@ class LLMWorker:
                 fingerprint=self.fingerprint,
                 snapshot=self._snapshot,
                 load=self.load,
-                node=_node_id(),
+                node=node_id(),
                 heartbeat_interval_s=heartbeat_interval_s,
                 # A dead replica's entries go soon after its lease lapses, not 30 s later.
                 gc_interval_s=min(30.0, max(1.0, index.lease_ttl_s)),
@@ -294,7 +257,7 @@ class LLMWorker:
             "model": self.model_name,
             "publisher": asdict(self._publisher.stats) if self._publisher else None,
             "index_synced": bool(self._publisher and not self._publisher.dirty),
-            "rss_bytes": _rss_bytes(),
+            "rss_bytes": rss_bytes(),
             "max_model_len": self.engine.max_model_len,
         }
 
