@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import enum
 import importlib
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -123,12 +123,8 @@ class WorkerMatch:
 
 @dataclass(frozen=True)
 class LookupResult:
-    # keyed by replica_id: the live workers that matched block 0 (confirmed or predicted), so
-    # a lookup costs what the chain's holders cost, not what the fleet does
-    matches: dict[str, WorkerMatch]
+    matches: dict[str, WorkerMatch]  # keyed by replica_id; every live worker (depth 0 ok)
     blocks_walked: int = 0  # how far the walk went before it stopped early
-    # replica_id -> latest load of every live worker known (matched or not); do not mutate
-    loads: Mapping[str, WorkerLoad] = field(default_factory=dict)
 
 
 class PrefixIndex(Protocol):
@@ -176,8 +172,7 @@ class PrefixIndex(Protocol):
         ...
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        """The consecutive matched depth of ``chain`` of every live worker holding its first
-        block, plus every live worker's latest load."""
+        """Every live worker's consecutive matched depth of ``chain`` plus its latest load."""
         ...
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:

@@ -18,16 +18,14 @@ Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot pe
                      hash 2-byte id -> the worker's newest tails (at most ``_MAX_TAILS``); the
                      key's PX is the latest expiry. So a 2,048-block prompt costs ~170 KB of
                      Redis as 2,048 keys but ~12 KB as 64 keys + a tail (bench/index_bench.py).
-    P.."r:"..id      the worker's reverse index: its digests appended as 16-byte records, the
-                     first ``rl`` bytes of a string kept near its allocation (``lua/_rev.lua``).
+    P.."r:"..id      the worker's reverse index: its digests appended as 16-byte records.
                      Always a superset of its entries (removals leave garbage that is compacted
                      once it outweighs the live part), so GC of a dead worker is O(own blocks).
-    P.."w:"..id      hash: rid, epoch, bs, fp, node, seq (-1 = needs resync), n, rl, gc, gcpos
+    P.."w:"..id      hash: rid, epoch, bs, fp, node, seq (-1 = needs resync), n, gc, gcpos
     P.."reg"         set of allocated ids;  P.."ids"  hash replica_id -> id
     P.."live"        zset 2-byte id -> lease expiry (ms, Redis clock)
     P.."load"        hash 2-byte id -> msgpack WorkerLoad;  P.."lv"  load version (bumped on
-                     every change);  P.."lz"  zset 2-byte id -> the version of its latest load,
-                     so a lookup returns only the loads changed since the caller's version
+                     every change, so routers re-read loads only when one changed)
     P.."rv"          registry version (bumped when the id -> replica mapping changes)
     P.."name"        the model name owning the tag (detects tag collisions)
 
@@ -88,7 +86,7 @@ log = logging.getLogger(__name__)
 _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
-_DEPTHS = struct.Struct(">HII")  # lookup reply per matched worker: id, confirmed, predicted
+_DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
 # the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
@@ -156,7 +154,7 @@ class RedisPrefixIndex:
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
-        self._k_lv, self._k_tails, self._k_lz = p + "lv", p + "T", p + "lz"
+        self._k_lv, self._k_tails = p + "lv", p + "T"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -165,9 +163,6 @@ class RedisPrefixIndex:
         self._rv: bytes | None = None
         self._lv = b""
         self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
-        # replica_id -> load of every known live worker; replaced (never changed) on news, so a
-        # LookupResult can hand it out without a copy per lookup
-        self._by_replica: dict[str, WorkerLoad] = {}
         self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
 
     # -- plumbing -----------------------------------------------------------------------
@@ -227,7 +222,7 @@ class RedisPrefixIndex:
         return int(worker_id)
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
-        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv, self._k_lz]
+        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv]
         args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
         code = await self._eval("heartbeat", keys, args)
         what = f"heartbeat of worker {worker_id}"
@@ -256,9 +251,6 @@ class RedisPrefixIndex:
                                 self.tag, flat[i], exc)
         self._workers = {w.worker_id: w for w in workers}
         self._rv = rv
-        for gone in self._loads.keys() - self._workers.keys():
-            del self._loads[gone]
-        self._publish_loads()
         return workers
 
     # -- events ---------------------------------------------------------------------------
@@ -296,40 +288,27 @@ class RedisPrefixIndex:
     # -- routing --------------------------------------------------------------------------
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        """Matches of the workers holding block 0 only; loads of every live worker, of which
-        Redis sends only those changed since this client's last lookup."""
-        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails, self._k_lz]
+        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails]
         args = [self._prefix, pack_digests(chain), self._lv]
-        rv, recs, lv, changed, everything, walked = await self._eval("lookup", keys, args)
-        depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
-        if rv != self._rv or any(wid not in self._workers for wid in depth):
+        rv, codes, recs, lv, loads, walked = await self._eval("lookup", keys, args)
+        ids = struct.unpack(f">{len(codes) // 2}H", codes)
+        if rv != self._rv or any(wid not in self._workers for wid in ids):
             await self.live_workers()
-        self._lv = lv
-        if everything or changed:
-            news = {int.from_bytes(changed[i], "big"): changed[i + 1]
-                    for i in range(0, len(changed) - 1, 2) if len(changed[i]) == 2}
-            if everything:
-                for gone in self._loads.keys() - news.keys():
-                    del self._loads[gone]
-            for wid, raw in news.items():
+        if loads is not None:  # some load changed since our last lookup: refresh them all
+            self._lv = lv
+            for wid, raw in zip(ids, loads, strict=True):
                 self._decode_load(wid, raw)
-            self._publish_loads()
+        depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
         matches = {}
-        for wid, (confirmed, predicted) in depth.items():
+        for wid in ids:
             info = self._workers.get(wid)
             if info is not None:
+                confirmed, predicted = depth.get(wid, (0, 0))
                 cached = self._loads.get(wid)
                 load = cached[1] if cached else None
                 matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
                                                        predicted, load)
-        return LookupResult(matches, walked, self._by_replica)
-
-    def _publish_loads(self) -> None:
-        self._by_replica = {
-            info.replica_id: cached[1]
-            for wid, info in self._workers.items()
-            if (cached := self._loads.get(wid)) is not None and cached[1] is not None
-        }
+        return LookupResult(matches, walked)
 
     def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
         if raw is None:
@@ -368,8 +347,7 @@ class RedisPrefixIndex:
         return removed
 
     async def _mark_dead(self, only_id: str) -> list[bytes]:
-        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv,
-                self._k_lz]
+        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv]
         return await self._eval(
             "gc_mark", keys, [self._prefix, only_id], self.admin_deadline_s
         )

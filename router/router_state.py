@@ -248,8 +248,7 @@ class RouterState:
         views = []
         for candidate in candidates:
             match = result.matches.get(candidate.key) if result is not None else None
-            load = self.load_for(candidate, match, now,
-                                 indexed=result.loads.get(candidate.key) if result else None)
+            load = self.load_for(candidate, match, now)
             tokens, count = 0.0, 0
             since = load.timestamp if load is not None else 0.0
             for routed in pending.get(candidate.key, ()):
@@ -330,16 +329,12 @@ class RouterState:
         return out
 
     def load_for(
-        self, candidate: Candidate, match: WorkerMatch | None, now: float,
-        *, indexed: WorkerLoad | None = None,
+        self, candidate: Candidate, match: WorkerMatch | None, now: float
     ) -> WorkerLoad | None:
-        """The index's load (the match's, else ``indexed``: lookups carry every live worker's
-        load but match only the chain's holders), else the last one seen (while fresh), else
-        the routing stats'."""
-        fresh = match.load if match is not None and match.load is not None else indexed
-        if fresh is not None:
-            self.loads[candidate.key] = (fresh, now)
-            return fresh
+        """The index's load, else the last one seen (while fresh), else the routing stats'."""
+        if match is not None and match.load is not None:
+            self.loads[candidate.key] = (match.load, now)
+            return match.load
         cached = self.loads.get(candidate.key)
         if cached is not None and now - cached[1] <= self.settings.load_max_age_s:
             return cached[0]

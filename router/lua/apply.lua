@@ -4,7 +4,6 @@
 -- -> OK (applied, or a duplicate seq), STALE_EPOCH or RESYNC_NEEDED
 --#include _blocks.lua
 --#include _codes.lua
---#include _rev.lua
 local st = redis.pcall('HMGET', KEYS[1], 'epoch', 'seq', 'gc', 'n')
 if st.err or not st[1] or st[3] or not tonumber(st[1]) then return RESYNC_NEEDED end
 local ep, epoch = tonumber(st[1]), tonumber(ARGV[3])
@@ -27,19 +26,19 @@ while pos <= len do
   pos = pos + 5 + cnt * 16
   if op == 'S' then
     local added = add_blocks(bkey, code, blob)
-    rev_append(KEYS[1], rkey, table.concat(added))
+    if #added > 0 then redis.call('APPEND', rkey, table.concat(added)) end
     n = n + #added
   elseif op == 'R' then
     n = n - remove_blocks(bkey, code, blob)
   elseif op == 'C' then
-    remove_blocks(bkey, code, rev_get(KEYS[1], rkey))
-    rev_set(KEYS[1], rkey, '')
+    remove_blocks(bkey, code, redis.call('GET', rkey) or '')
+    redis.call('DEL', rkey)
     n = 0
   end
 end
-if rev_used(KEYS[1], rkey) / 16 > 2 * n + 1024 then
-  local keep = held_blocks(bkey, code, rev_get(KEYS[1], rkey))
-  rev_set(KEYS[1], rkey, table.concat(keep))
+if redis.call('STRLEN', rkey) / 16 > 2 * n + 1024 then
+  local keep = held_blocks(bkey, code, redis.call('GET', rkey))
+  if #keep > 0 then redis.call('SET', rkey, table.concat(keep)) else redis.call('DEL', rkey) end
   n = #keep
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'n', n)

@@ -1,8 +1,7 @@
 -- KEYS: w, r   ARGV: epoch, seq, blob   -> code
 --#include _epoch_ok.lua
---#include _rev.lua
 local code = epoch_state(KEYS[1], tonumber(ARGV[1]))
 if code ~= OK then return code end
-rev_set(KEYS[1], KEYS[2], ARGV[3])
+if #ARGV[3] > 0 then redis.call('SET', KEYS[2], ARGV[3]) else redis.call('DEL', KEYS[2]) end
 redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'n', #ARGV[3] / 16)
 return OK
