@@ -28,6 +28,7 @@ from bench.options import DEFAULT_TRACE, WORKLOADS, make_spec, make_workload, pa
 from bench.outputs import write_outputs
 from bench.report import format_side_by_side, format_summary
 from bench.runner import run_sweep
+from router.routing_policies import POLICY_NAMES
 from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL
 
 
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     cmp = sub.add_parser("compare", help="launch the local cluster per routing policy and compare")
     cmp.add_argument("--policies", default="prefix,pow2,round_robin",
-                     help="comma-separated: prefix, pow2, round_robin (first is the baseline)")
+                     help=f"comma-separated: {', '.join(POLICY_NAMES)} (first is the baseline)")
     cmp.add_argument("--num-workers", type=int, default=2)
     cmp.add_argument("--model-path", default=DEFAULT_MODEL,
                      help="what the cluster serves: a known model name, a checkpoint dir or a "

@@ -21,8 +21,7 @@ from bench.report import format_side_by_side, median_summary, ratio, tail_key
 from bench.router_metrics import REPORT_INTERVAL_MS, measurer
 from bench.runner import RunResult, run_sweep
 from cluster.local_redis import free_port
-
-POLICIES = ("prefix", "pow2", "round_robin")
+from router.routing_policies import POLICY_NAMES
 
 
 def parse_options(pairs: list[str]) -> dict[str, Any]:
@@ -70,9 +69,9 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
 
 def compare(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICY_NAMES]
     if unknown or not policies:
-        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
+        raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
     try:
         runs = run_policies(args, policies)
     finally:

@@ -106,7 +106,7 @@ class ClusterConfig(BaseModel):
     # --- routing ---------------------------------------------------------------------------
     policy: Policy = Field(
         "prefix", description="prefix: KV-aware via the Redis index; pow2: Serve's power of two "
-        "choices; round_robin")
+        "choices; round_robin; ray_prefix: Ray Serve's PrefixCacheAffinityRouter")
     redis_url: str | None = Field(
         default_factory=_redis_url_from_env,
         description=f"Redis of the prefix index (redis://, rediss://, unix://), or a reference to "

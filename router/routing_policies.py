@@ -24,6 +24,8 @@ ROUTING_POLICIES: dict[str, RoutingPolicy] = {
     "pow2": RoutingPolicy(None, needs_index=False),
     # cache-blind rotation, the baseline
     "round_robin": RoutingPolicy("router.round_robin:RoundRobinRequestRouter", needs_index=False),
+    # Ray Serve's PrefixCacheAffinityRouter (its own prefix tree of routed prompts), the reference
+    "ray_prefix": RoutingPolicy("router.ray_prefix:RayPrefixRouter", needs_index=False),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(ROUTING_POLICIES)

@@ -98,7 +98,7 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
     ("args", "fragment"),
     [
         ({"num_workers": 0}, "greater than or equal to 1"),
-        ({"policy": "random"}, "'prefix', 'pow2' or 'round_robin'"),
+        ({"policy": "random"}, "'prefix', 'pow2', 'round_robin' or 'ray_prefix'"),
         ({"num_blocks": 10, "kv_cache_memory_bytes": 2**20}, "not both"),
         ({"num_blocks": 10, "max_model_len": 161}, "needs 11 KV blocks of 16 tokens"),
         ({"cpus_per_worker": 0}, "greater than 0"),

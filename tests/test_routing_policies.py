@@ -9,6 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import ClusterConfig, Policy
+from router.ray_prefix import token_text
+from router.request import GenerateRequest
 from router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
 from router.serve_compat import RequestRouter
 
@@ -27,10 +29,12 @@ def test_every_registered_router_is_a_serve_request_router() -> None:
 
 
 def test_the_known_policies_and_what_they_need() -> None:
-    assert POLICY_NAMES == ("prefix", "pow2", "round_robin")  # the config's order (docs, CLI)
+    # the config's order (docs, CLI)
+    assert POLICY_NAMES == ("prefix", "pow2", "round_robin", "ray_prefix")
     assert {n for n, p in ROUTING_POLICIES.items() if p.needs_index} == {"prefix"}
     assert ROUTING_POLICIES["pow2"].request_router is None  # Serve's default router
     assert load(ROUTING_POLICIES["prefix"].request_router).__name__ == "PrefixAwareRequestRouter"
+    assert load(ROUTING_POLICIES["ray_prefix"].request_router).__name__ == "RayPrefixRouter"
 
 
 def test_the_config_offers_exactly_the_registered_policies() -> None:
@@ -39,3 +43,15 @@ def test_the_config_offers_exactly_the_registered_policies() -> None:
         assert ClusterConfig(policy=name, redis_url=REDIS).policy == name
     with pytest.raises(ValidationError):
         ClusterConfig(policy="random", redis_url=REDIS)
+
+
+def test_ray_prefix_spells_token_prefixes_as_character_prefixes() -> None:
+    def text(ids: list[int], salt: str | None = None) -> str:
+        return token_text(GenerateRequest("r", ids, cache_salt=salt))
+
+    assert len(text([0, 1, 2])) == 3
+    assert text([5, 6, 7]).startswith(text([5, 6]))
+    assert not text([5, 6]).startswith(text([5, 7]))
+    assert not any(0xD800 <= ord(c) <= 0xDFFF for c in text([0, 0x1FFF, 0x20000]))
+    assert not text([5, 6], "a").startswith(text([5], "b"))
+    assert not text([5, 6], "a").startswith(text([5]))
