@@ -25,12 +25,12 @@ def serve_app(config: ClusterConfig, name: str, *, headers: dict[str, str] | Non
     Ray starts fresh: Serve's HTTP port is fixed per Ray instance, so a Ray left running by an
     earlier module is shut down first.
     """
-    port = free_port()
     if ray.is_initialized():
         serve.shutdown()
         ray.shutdown()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              **ray_init)
+    port = free_port()  # after Ray's own processes have taken their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(config), name=name, route_prefix="/")
