@@ -10,11 +10,15 @@ KV events (``publish_lag_s`` after the step that made them) and a load heartbeat
 event flushes, heartbeats) runs as fast as the CPU allows, so an hour of trace takes minutes.
 
 Policies: ``prefix`` (the real ranking), ``pow2`` (two random workers, the one with fewer
-ongoing requests: Serve's default) and ``round_robin``. Per run it reports the prefix-cache
-hit rate against the merged-cache ceiling (one LRU pool the size of the whole cluster taking
-the prompts in arrival order: no router can do better without more memory), TTFT percentiles,
-worker busy-time imbalance (max / mean) and the router's decision time (wall clock, hashing +
-index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric measures).
+ongoing requests: Serve's default), ``round_robin`` and ``ray_prefix`` (Ray Serve's
+``PrefixCacheAffinityRouter`` decision on Ray's own ``PrefixTree``, with its defaults: the
+replicas holding the longest token prefix when it covers at least 10% of the prompt, else the
+replicas with the fewest tree characters, then the fewest ongoing requests). Per run it reports
+the prefix-cache hit rate against the merged-cache ceiling (one LRU pool the size of the whole
+cluster taking the prompts in arrival order: no router can do better without more memory),
+TTFT percentiles, worker busy-time imbalance (max / mean) and the router's decision time (wall
+clock, hashing + index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric
+measures).
 
 Departures from the live system, by design: leases and predicted entries expire in Redis' wall
 time, so leases are set long (``LEASE_TTL_S``) and routing-time predictions stay in the
@@ -22,7 +26,7 @@ router's own :class:`router.router_state.LocalPredictions` (simulated time), whi
 single router consults first anyway; Serve's queue length is the router's own count of ongoing
 requests.
 
-    python -m bench.simulate --workers 16,64 --policy prefix,pow2,round_robin \\
+    python -m bench.simulate --workers 16,64 --policy prefix,pow2,round_robin,ray_prefix \\
         --trace bench/traces/mooncake_conversation_1000.jsonl --out sim.json
 """
 
@@ -37,16 +41,19 @@ import random
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import EventBatch, KVEvent, WorkerLoad
 from router.index import IndexSettings, IndexUnavailable, PrefixIndex, ResultCode, open_index
+from router.policy import PolicyConfig
+from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState
 from workers.engine_types import EngineConfig, RequestOutput
 from workers.errors import InvalidRequestError
@@ -55,9 +62,11 @@ from workers.sampling import SamplingParams
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import SimProfile, profile_for
 
-POLICIES = ("prefix", "pow2", "round_robin")
+POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
+RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
+WEIGHT_NAMES = {f.name for f in fields(PolicyConfig) if not f.metadata.get("internal")}
 MAX_BATCH_BLOCKS = 2048  # as the publisher: one apply stays well inside the deadline
 
 
@@ -157,6 +166,7 @@ class Simulator:
         publish_lag_s: float = 0.005,
         heartbeat_s: float = 1.0,
         seed: int = 0,
+        weights: PolicyConfig | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -172,7 +182,10 @@ class Simulator:
         self.by_name = {w.name: w for w in self.workers}
         self.state = RouterState(RouterSettings(
             model="sim", block_size=engine_config.block_size,
-            fingerprint=self.workers[0].engine.model_fingerprint))
+            fingerprint=self.workers[0].engine.model_fingerprint,
+            weights=weights or PolicyConfig()))
+        self.tree = PrefixTree()  # ray_prefix's
+        self.tree.add_tenants([w.name for w in self.workers], 0.0)
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
         self._rr = itertools.cycle(range(num_workers))
@@ -212,7 +225,8 @@ class Simulator:
             return  # an unchanged idle load: the (long) lease needs no renewal
         w.idle_reported = idle
         load = WorkerLoad(s.num_running, s.num_waiting, s.queued_prefill_tokens, s.kv_usage,
-                          s.prefill_tokens_per_s, s.decode_tokens_per_s, timestamp=now)
+                          s.prefill_tokens_per_s, s.decode_tokens_per_s, timestamp=now,
+                          kv_empty_blocks=s.num_empty_blocks)
         try:
             await self.index.heartbeat(w.worker_id, 1, load)
         except IndexUnavailable:
@@ -250,9 +264,22 @@ class Simulator:
         elif self.policy == "pow2":
             a, b = self.rng.sample(self.workers, 2) if len(self.workers) > 1 else self.workers * 2
             worker = a if a.ongoing <= b.ongoing else b
+        elif self.policy == "ray_prefix":
+            worker = self._ray_prefix(req, now)
         else:
             worker = await self._rank(req, now)
         self.route_s.append(time.perf_counter() - start)
+        return worker
+
+    def _ray_prefix(self, req: SimRequest, now: float) -> SimWorker:
+        """PrefixCacheAffinityRouter's choice (load balanced: its default threshold is inf)."""
+        text = "".join(chr(TOKEN_CHAR_BASE + t) for t in req.tokens)
+        matched, holders = self.tree.prefix_match(text, list(self.by_name))
+        if len(matched) < RAY_MATCH_RATE_THRESHOLD * len(text):
+            holders = self.tree.get_smallest_tenants()
+        candidates = [self.by_name[name] for name in holders or self.by_name]
+        worker = min(candidates, key=lambda w: w.ongoing)  # Serve: the shortest queue, first
+        self.tree.insert(text, worker.name, now)
         return worker
 
     async def _rank(self, req: SimRequest, now: float) -> SimWorker:
@@ -402,6 +429,7 @@ async def simulate(
     heartbeat_s: float = 1.0,
     seed: int = 0,
     ceiling: float | None = None,
+    weights: PolicyConfig | None = None,
 ) -> RunResult:
     """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given."""
     reqs = fresh(requests)
@@ -412,7 +440,7 @@ async def simulate(
                            deadline_s=INDEX_DEADLINE_S,
                            settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
     sim = Simulator(profile, num_workers, policy, config, index, publish_lag_s=publish_lag_s,
-                    heartbeat_s=heartbeat_s, seed=seed)
+                    heartbeat_s=heartbeat_s, seed=seed, weights=weights)
     start = time.perf_counter()
     try:
         end = await sim.run(reqs)
@@ -481,6 +509,7 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
     redis = None
     redis_url = args.redis_url
     policies = [p.strip() for p in args.policy.split(",")]
+    weights = PolicyConfig(**dict(args.weight))
     if "prefix" in policies and redis_url is None:
         redis = LocalRedis().start()
         redis_url = redis.url
@@ -492,7 +521,7 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
                 result = await simulate(requests, profile, n, policy, config, redis_url,
                                         publish_lag_s=args.publish_lag_ms / 1000,
                                         heartbeat_s=args.heartbeat_s, seed=args.seed,
-                                        ceiling=ceiling)
+                                        ceiling=ceiling, weights=weights)
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -500,6 +529,14 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
         if redis is not None:
             redis.close()
     return results
+
+
+def parse_weight(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in WEIGHT_NAMES:
+        raise argparse.ArgumentTypeError(
+            f"--weight takes NAME=VALUE with NAME one of {', '.join(sorted(WEIGHT_NAMES))}")
+    return name, float(value)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -521,6 +558,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="from a step's end to its KV events in the index")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="load report interval")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
+                        type=parse_weight,
+                        help="a prefix-policy weight (router.policy.PolicyConfig), repeatable")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
@@ -26,6 +28,7 @@ _MAGIC = b"PSB1"
 ROOT: bytes = hashlib.sha256(b"prefixserve/block-hash/v1/root").digest()[:DIGEST_BYTES]
 
 BlockHash = bytes
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)  # array's 4-byte unsigned type
 
 
 def _u32(value: int) -> bytes:
@@ -41,14 +44,22 @@ def namespace(model_fingerprint: str, cache_salt: str | None = None) -> bytes:
     return hashlib.sha256(payload).digest()[:DIGEST_BYTES]
 
 
+def _pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32s."""
+    try:
+        packed = array(_U32, tokens)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash one block given its parent's digest (``ROOT`` for block 0)."""
     if len(parent) != DIGEST_BYTES:
         raise ValueError(f"parent digest must be {DIGEST_BYTES} bytes, got {len(parent)}")
-    try:
-        body = struct.pack(f"<{len(tokens)}I", *tokens)
-    except struct.error as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+    body = _pack(tokens)
     payload = _MAGIC + parent + _u32(len(tokens)) + body + _u32(len(extra)) + extra
     return hashlib.sha256(payload).digest()[:DIGEST_BYTES]
 
@@ -80,15 +91,23 @@ class BlockHasher:
         self._pending.extend(token_ids)
         size = self.block_size
         full = len(self._pending) - len(self._pending) % size
+        if not full:
+            return []
         new: list[BlockHash] = []
-        for start in range(0, full, size):  # slice, then drop once: linear in prompt length
-            block = self._pending[start : start + size]
-            if self.hashes:
-                digest = hash_block(self.hashes[-1], block)
-            else:
-                digest = hash_block(ROOT, block, self.namespace)
-            self.hashes.append(digest)
-            new.append(digest)
+        if not self.hashes:
+            new.append(hash_block(ROOT, self._pending[:size], self.namespace))
+        # The rest as hash_block lays them out, from one packed buffer (about twice as fast
+        # for a long prompt as packing block by block: the router hashes every prompt).
+        body = _pack(self._pending[len(new) * size : full])
+        parent = new[-1] if new else self.hashes[-1]
+        head, count, no_extra = _MAGIC, _u32(size), _u32(0)
+        step = 4 * size
+        for start in range(0, len(body), step):
+            parent = hashlib.sha256(
+                head + parent + count + body[start : start + step] + no_extra
+            ).digest()[:DIGEST_BYTES]
+            new.append(parent)
+        self.hashes.extend(new)
         del self._pending[:full]
         return new
 

@@ -69,6 +69,7 @@ class WorkerLoad:
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
     timestamp: float = 0.0
+    kv_empty_blocks: int = 0  # free blocks holding no cached prefix: filling them evicts nothing
 
 
 def pack_digests(digests: Sequence[bytes]) -> bytes:

@@ -63,11 +63,15 @@ class PolicyConfig:
     default_decode_tokens_per_s: float = _weight(
         1000.0, "Decode rate assumed until some worker has measured one")
     uncached_weight: float = _weight(
-        2.0, "Cost of an uncached prompt token: this request's TTFT plus the worker's capacity")
+        4.0, "Cost of an uncached prompt token, in prefill token-times: this request's TTFT, "
+        "the worker's compute, and the duplicate it makes in the cluster's caches")
     decode_weight: float = _weight(
         0.5, "Cost of one more decoding sequence, in token-times (decode is batched)")
     predicted_credit: float = _weight(
         0.95, "Worth of a predicted block against a confirmed one, in [0, 1]")
+    eviction_weight: float = _weight(
+        0.25, "Cost of evicting a cached token to make room, in token-times: the chance it "
+        "is asked for again")
     tie_tolerance_s: float = _weight(
         0.001, "Costs this close tie (absorbs stale-load noise, about 2 running sequences)")
 
@@ -78,8 +82,9 @@ class PolicyConfig:
             raise ValueError("default rates must be > 0")
         if not 0.0 <= self.predicted_credit <= 1.0:
             raise ValueError("predicted_credit must be in [0, 1]")
-        if self.uncached_weight < 1.0 or self.decode_weight < 0:
-            raise ValueError("uncached_weight must be >= 1 and decode_weight >= 0")
+        if self.uncached_weight < 1.0 or self.decode_weight < 0 or self.eviction_weight < 0:
+            raise ValueError(
+                "uncached_weight must be >= 1, decode_weight and eviction_weight >= 0")
 
 
 @dataclass(frozen=True)
@@ -129,14 +134,18 @@ def score(
         decode_rate = max(load.decode_tokens_per_s, config.default_decode_tokens_per_s)
         queued = load.queued_prefill_tokens
         running = load.num_running
+        empty = load.kv_empty_blocks * config.block_size
     else:
         prefill_rate = ref_rate
         decode_rate = config.default_decode_tokens_per_s
         queued = 0
         running = 0
+        empty = 0
     queued += view.pending_prefill_tokens
     running = max(running + view.pending_requests, view.queue_len or 0)
+    evicted = max(0.0, uncached - max(0, empty - queued))  # the queued work fills room first
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
+    cost += config.eviction_weight * evicted / ref_rate
     cost += config.decode_weight * running / decode_rate
     new_tokens = num_prompt_tokens - min(depth * config.block_size, num_prompt_tokens - 1)
     return Score(view.key, cost, cached, uncached, depth, new_tokens)

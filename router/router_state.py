@@ -106,12 +106,27 @@ class RequestContext:
     """Per pending request, so retries never re-hash the prompt."""
 
     chain: list[bytes]
-    tie_key: bytes
+    tie_key: bytes  # orders tied workers when the chain is empty (see tie_key())
     num_prompt_tokens: int
     created_at: float
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
     depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
+
+
+def tie_key(ctx: RequestContext, views: Sequence[WorkerView]) -> bytes:
+    """The key that orders tied workers: the chain's first block no worker holds (its last
+    block when some worker holds it all).
+
+    Requests that share their new content up to there break ties alike in every router, so a
+    burst with one new prefix converges on one worker; requests that differ right after a
+    prefix every worker holds (a common system prompt) spread, instead of all following the
+    system prompt's hash to one worker.
+    """
+    if not ctx.chain:
+        return ctx.tie_key
+    deepest = max((max(v.confirmed_depth, v.predicted_depth) for v in views), default=0)
+    return ctx.chain[min(deepest, len(ctx.chain) - 1)]
 
 
 @dataclass(frozen=True)
@@ -267,7 +282,8 @@ class RouterState:
                     queue_len=candidate.queue_len,
                 )
             )
-        ranking = rank(ctx.num_prompt_tokens, views, self.settings.weights, ctx.tie_key)
+        ranking = rank(ctx.num_prompt_tokens, views, self.settings.weights,
+                       tie_key(ctx, views))
         ctx.new_tokens = {s.key: s.new_tokens for s in ranking}
         ctx.depth = {s.key: s.matched_blocks for s in ranking}
         return ranking

@@ -296,6 +296,9 @@ def test_salt_isolates_and_no_leaks_after_abort(llama) -> None:
     assert not eng.has_unfinished()
     stats = eng.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_usage == 0.0
+    # the prompts' blocks stay cached: free, but not empty room (the router's eviction term)
+    assert len(eng.kv.pool.cached) > 0
+    assert stats.num_empty_blocks == stats.num_total_blocks - len(eng.kv.pool.cached)
     assert stats.prompt_tokens_queried == 100 and stats.prompt_tokens_hit == 16 + 16
 
 

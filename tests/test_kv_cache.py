@@ -38,6 +38,9 @@ def check_invariants(kv: KVCacheManager) -> None:
     # unhashed free blocks all come before hashed ones
     kinds = [b.block_hash is not None for b in free]
     assert kinds == sorted(kinds)
+    # the empty-room count the router weighs evictions by
+    assert pool.num_cached_free == sum(kinds)
+    assert kv.num_empty_blocks == len(free) - sum(kinds)
 
 
 def admit(kv: KVCacheManager, seq_id: str, tokens: list[int], ns: bytes = NS) -> int:

@@ -54,6 +54,8 @@ def check_invariants(kv: KVCacheManager) -> None:
     kinds = [b.block_hash is not None for b in free]
     assert kinds == sorted(kinds)  # unhashed free blocks first
     assert set(kv._num_cached) == set(kv.tables)
+    assert pool.num_cached_free == sum(kinds)  # invariant 7
+    assert kv.num_empty_blocks == pool.num_empty == len(free) - sum(kinds)
 
 
 # --- FreeBlockQueue -----------------------------------------------------------------------
@@ -313,12 +315,12 @@ def test_reset_never_reregisters_a_running_sequences_blocks() -> None:
 
 
 def test_random_walk_keeps_invariants() -> None:
-    """Seeded mix of admissions, decodes, forks, frees, commits and rollbacks."""
+    """Seeded mix of admissions, decodes, forks, frees, commits, rollbacks and cache resets."""
     rng = random.Random(1234)
     kv = KVCacheManager(12, BS)
     seqs: dict[str, list[int]] = {}
     for step in range(300):
-        op = rng.choice(["admit", "decode", "fork", "free", "commit", "rollback"])
+        op = rng.choice(["admit", "decode", "fork", "free", "commit", "rollback"] * 4 + ["reset"])
         if op == "admit" and len(seqs) < 6:
             name = f"s{step}"
             tail = [rng.randrange(50) for _ in range(rng.randrange(1, 9))]
@@ -344,6 +346,8 @@ def test_random_walk_keeps_invariants() -> None:
             kv.commit_step()
         elif op == "rollback":
             kv.rollback_step()
+        elif op == "reset":
+            kv.reset_prefix_cache()
         check_invariants(kv)
         for name, tokens in seqs.items():
             assert len(kv.block_ids(name)) == cdiv(len(tokens), BS)

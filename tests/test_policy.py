@@ -135,12 +135,13 @@ def test_backlogs_drain_at_each_workers_rate_unmeasured_ones_at_the_mean() -> No
     ranking = rank(400, [unmeasured, slow, fast], CFG)
     costs = {s.key: s.cost_s for s in ranking}
     mean = (500.0 + 8000.0) / 2
-    assert costs["a"] == pytest.approx((1000 + 2 * 400) / mean)
-    assert costs["b"] == pytest.approx(1000 / 500 + 2 * 400 / mean)
+    own = (CFG.uncached_weight + CFG.eviction_weight) * 400  # no room reported: it evicts
+    assert costs["a"] == pytest.approx((1000 + own) / mean)
+    assert costs["b"] == pytest.approx(1000 / 500 + own / mean)
     assert [s.key for s in ranking] == ["c", "a", "b"]
     # With no measurement anywhere the configured default applies.
     alone = rank(400, [WorkerView("a", load=WorkerLoad(queued_prefill_tokens=1000))], CFG)
-    assert alone[0].cost_s == pytest.approx((1000 + 800) / 4000)
+    assert alone[0].cost_s == pytest.approx((1000 + own) / 4000)
 
 
 def test_rate_measurement_noise_does_not_decide_routes_at_idle() -> None:

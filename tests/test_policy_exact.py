@@ -20,7 +20,12 @@ from router.policy import (
     score,
 )
 
-CFG = PolicyConfig()  # block 16, prefill 4000/s, decode 1000/s, weights 2 and 0.5, credit 0.95
+# block 16, prefill 4000/s, decode 1000/s, credit 0.95; uncached 2, decode 0.5, no eviction term
+# (the formulas below are written for these; the eviction term has its own tests)
+CFG = PolicyConfig(uncached_weight=2.0, eviction_weight=0.0)
+
+
+BAD_WEIGHTS = "uncached_weight must be >= 1, decode_weight and eviction_weight >= 0"
 
 
 def ref_rendezvous(tie_key: bytes, worker_key: str) -> int:
@@ -35,7 +40,10 @@ def test_weight_fields_carry_default_and_description() -> None:
     described = {f.name: f.metadata.get("description") for f in fields(PolicyConfig)}
     assert described["uncached_weight"].startswith("Cost of an uncached prompt token")
     assert described["block_size"] is None
-    assert PolicyConfig().uncached_weight == 2.0 and PolicyConfig().tie_tolerance_s == 0.001
+    defaults = PolicyConfig()
+    assert (defaults.uncached_weight, defaults.eviction_weight, defaults.decode_weight) == (
+        4.0, 0.25, 0.5)
+    assert defaults.tie_tolerance_s == 0.001
 
 
 @pytest.mark.parametrize(
@@ -46,8 +54,9 @@ def test_weight_fields_carry_default_and_description() -> None:
         ({"default_decode_tokens_per_s": 0.0}, "default rates must be > 0"),
         ({"predicted_credit": -0.01}, "predicted_credit must be in [0, 1]"),
         ({"predicted_credit": 1.01}, "predicted_credit must be in [0, 1]"),
-        ({"uncached_weight": 0.99}, "uncached_weight must be >= 1 and decode_weight >= 0"),
-        ({"decode_weight": -0.01}, "uncached_weight must be >= 1 and decode_weight >= 0"),
+        ({"uncached_weight": 0.99}, BAD_WEIGHTS),
+        ({"decode_weight": -0.01}, BAD_WEIGHTS),
+        ({"eviction_weight": -0.01}, BAD_WEIGHTS),
     ],
 )
 def test_config_rejects_out_of_range(fields_: dict[str, float], message: str) -> None:
@@ -63,7 +72,7 @@ def test_config_rejects_out_of_range(fields_: dict[str, float], message: str) ->
         {"default_prefill_tokens_per_s": 0.5, "default_decode_tokens_per_s": 0.5},
         {"predicted_credit": 0.0},
         {"predicted_credit": 1.0},
-        {"uncached_weight": 1.0, "decode_weight": 0.0},
+        {"uncached_weight": 1.0, "decode_weight": 0.0, "eviction_weight": 0.0},
         {"uncached_weight": 1.5, "decode_weight": 0.5},
     ],
 )
@@ -175,7 +184,8 @@ def test_tied_workers_order_by_rendezvous_with_the_empty_default_key() -> None:
 def test_cost_exactly_at_the_tolerance_ties_and_depth_wins() -> None:
     config = PolicyConfig(block_size=1, default_prefill_tokens_per_s=1.0,
                           default_decode_tokens_per_s=1.0, uncached_weight=1.0,
-                          decode_weight=0.5, predicted_credit=0.0, tie_tolerance_s=0.5)
+                          decode_weight=0.5, predicted_credit=0.0, tie_tolerance_s=0.5,
+                          eviction_weight=0.0)
     # a: 10 s of prefill; b: the same plus one running sequence (0.5 s) and a predicted match
     # that is credited nothing but counts as depth
     a = WorkerView("a")
@@ -185,6 +195,39 @@ def test_cost_exactly_at_the_tolerance_ties_and_depth_wins() -> None:
     # just past the tolerance, cost decides
     c = WorkerView("c", predicted_depth=5, queue_len=2)
     assert [s.key for s in rank(10, [a, c], config)] == ["a", "c"]
+
+
+def test_eviction_term_counts_uncached_tokens_past_the_empty_room() -> None:
+    config = PolicyConfig(uncached_weight=2.0, eviction_weight=0.25)
+    # 10 empty blocks = 160 tokens of room, 60 of it taken by queued and routed work first
+    load = WorkerLoad(queued_prefill_tokens=40, prefill_tokens_per_s=4000.0, kv_empty_blocks=10)
+    view = WorkerView("w", confirmed_depth=2, load=load, pending_prefill_tokens=20)
+    s = score(view, 300, config, 4000.0)
+    uncached = 300 - 32
+    evicted = uncached - (160 - 60)
+    assert s.cost_s == pytest.approx(
+        60 / 4000 + 2 * uncached / 4000 + 0.25 * evicted / 4000, rel=1e-12)
+    # room for all of it: no eviction cost
+    roomy = WorkerView("w", confirmed_depth=2, load=WorkerLoad(kv_empty_blocks=100))
+    assert score(roomy, 300, config, 4000.0).cost_s == pytest.approx(2 * uncached / 4000)
+    # queued work beyond the room leaves none (never a negative room)
+    full = WorkerView("w", load=WorkerLoad(queued_prefill_tokens=500, kv_empty_blocks=10))
+    assert score(full, 100, config, 4000.0).cost_s == pytest.approx(
+        500 / 4000 + 2 * 100 / 4000 + 0.25 * 100 / 4000)
+    # an unknown load is assumed full
+    assert score(WorkerView("w"), 100, config, 4000.0).cost_s == pytest.approx(
+        2.25 * 100 / 4000)
+
+
+def test_an_empty_worker_beats_a_full_one_holding_a_short_shared_prefix() -> None:
+    # A long new conversation after a 2-block system prompt every busy worker holds: the full
+    # holder would evict ~60 blocks of others' prefixes; the empty worker evicts nothing.
+    config = PolicyConfig()
+    holder = WorkerView("holder", confirmed_depth=2, load=WorkerLoad(kv_empty_blocks=0))
+    empty = WorkerView("empty", load=WorkerLoad(kv_empty_blocks=1000))
+    assert rank(1000, [holder, empty], config)[0].key == "empty"
+    # without the term, the 32 saved tokens decide
+    assert rank(1000, [holder, empty], PolicyConfig(eviction_weight=0.0))[0].key == "holder"
 
 
 def test_untied_workers_rank_by_cost() -> None:

@@ -7,6 +7,7 @@ import pytest
 from router.blocks import hash_chain, namespace
 from router.events import WorkerLoad
 from router.index import LookupResult, WorkerInfo, WorkerMatch
+from router.policy import PolicyConfig, WorkerView, rank
 from router.router_state import (
     Candidate,
     LocalPredictions,
@@ -15,6 +16,7 @@ from router.router_state import (
     RouterSettings,
     RouterState,
     common_blocks,
+    tie_key,
 )
 
 NS = namespace("fp")
@@ -117,6 +119,28 @@ def test_rank_credits_the_index_and_records_the_depths() -> None:
     assert ctx.confirmed == {"a": 0, "b": 6, "c": 2}
     assert ctx.depth == {"a": 0, "b": 6, "c": 2}
     assert ctx.new_tokens == {"a": 99, "b": 3, "c": 99 - 32}
+
+
+def test_ties_break_on_the_first_block_no_worker_holds() -> None:
+    # Every worker holds a 2-block system prompt; what follows differs per conversation.
+    system = list(range(32))
+    views = [WorkerView(k, confirmed_depth=2) for k in "abc"]
+    picks = set()
+    for i in range(12):
+        tokens = system + [1000 + i] * 32
+        ctx = RouterState(RouterSettings(fingerprint="fp")).context(i, tokens, None, 0.0)
+        assert tie_key(ctx, views) == ctx.chain[2]  # past the shared prompt
+        picks.add(rank(len(tokens), views, PolicyConfig(), tie_key(ctx, views))[0].key)
+    assert picks == {"a", "b", "c"}  # conversations spread instead of following block 0
+    # nothing held: block 0 (a burst with one new prefix converges in every router)
+    ctx = state().context(99, TOKENS_A, None, 0.0)
+    assert tie_key(ctx, [WorkerView("a"), WorkerView("b")]) == A[0]
+    # a prediction counts as held; the whole chain held: its last block
+    assert tie_key(ctx, [WorkerView("a", predicted_depth=3)]) == A[3]
+    assert tie_key(ctx, [WorkerView("a", confirmed_depth=6)]) == A[5]
+    assert tie_key(ctx, []) == A[0]
+    short = state().context(7, [1, 2, 3], None, 0.0)  # no chain: the token hash
+    assert tie_key(short, [WorkerView("a", confirmed_depth=3)]) == short.tie_key
 
 
 def test_own_decisions_count_until_the_index_knows() -> None:

@@ -114,6 +114,8 @@ async def test_routing_stats_describe_the_worker(worker: LLMWorker) -> None:
     stats = worker.record_routing_stats()
     assert stats["block_size"] == 16 and stats["fingerprint"] == worker.fingerprint
     assert stats["load"]["num_running"] == 0
+    snapshot, _ = worker._loop_thread.snapshot
+    assert stats["load"]["kv_empty_blocks"] == snapshot.num_empty_blocks > 0
     assert stats["worker"] == worker.replica_id
 
 

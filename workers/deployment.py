@@ -293,6 +293,7 @@ class LLMWorker:
             kv_usage=s.kv_usage,
             prefill_tokens_per_s=s.prefill_tokens_per_s,
             decode_tokens_per_s=s.decode_tokens_per_s,
+            kv_empty_blocks=s.num_empty_blocks,
             timestamp=taken_at,  # routers count what they sent after this as not yet in it
         )
 

@@ -276,6 +276,7 @@ class EngineCore:
             num_free_blocks=self.kv.num_free_blocks,
             num_total_blocks=self.kv.num_total_blocks,
             num_preemptions=s.num_preemptions,
+            num_empty_blocks=self.kv.num_empty_blocks,
         )
 
     def cached_block_hashes(self) -> list[bytes]:

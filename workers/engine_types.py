@@ -95,6 +95,7 @@ class EngineStats:
     num_free_blocks: int
     num_total_blocks: int
     num_preemptions: int = 0
+    num_empty_blocks: int = 0  # free blocks holding no cached prefix (room that evicts nothing)
 
 
 @dataclass

@@ -20,6 +20,9 @@ Invariants (tests/test_kv_cache.py checks them):
    step commits they are provisional, and a failed step rolls them back (``BlockRemoved``).
 6. A block shared by several sequences (``ref_cnt > 1``) is copied before one of them writes
    into it (copy-on-write); the copy pairs are drained by the runner before the forward pass.
+7. ``num_cached_free`` counts the free blocks that hold a hash, so ``num_empty`` (free minus
+   those) is how many blocks can be allocated without evicting a cached prefix: the room the
+   router's cost model weighs against evictions.
 """
 
 from __future__ import annotations
@@ -104,10 +107,16 @@ class BlockPool:
         self.cached: dict[bytes, Block] = {}
         self.events: list[KVEvent] = []
         self.uncommitted: list[Block] = []  # hashed since the last commit: KV not written yet
+        self.num_cached_free = 0  # free blocks that still hold a hash (evictable cache hits)
 
     @property
     def num_free(self) -> int:
         return self.free.num_free
+
+    @property
+    def num_empty(self) -> int:
+        """Free blocks holding no hash: allocating up to this many evicts nothing."""
+        return self.free.num_free - self.num_cached_free
 
     def allocate(self, n: int) -> list[Block]:
         """Pop ``n`` free blocks (ref 1 each), evicting the hashes of reused cached blocks."""
@@ -118,6 +127,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free.pop_front()
             if block.block_hash is not None:
+                self.num_cached_free -= 1
                 del self.cached[block.block_hash]
                 evicted.append(block.block_hash)
                 block.block_hash = None
@@ -132,6 +142,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free.remove(block)
+                if block.block_hash is not None:
+                    self.num_cached_free -= 1
             block.ref_cnt += 1
 
     def release(self, blocks: Iterable[Block]) -> None:
@@ -144,6 +156,7 @@ class BlockPool:
                     self.free.push_front(block)
                 else:
                     self.free.push_back(block)
+                    self.num_cached_free += 1
 
     def cache(self, blocks: Sequence[Block], hashes: Sequence[bytes]) -> None:
         """Register full blocks under their chain hashes; emit ``BlockStored`` per run.
@@ -183,6 +196,7 @@ class BlockPool:
             if block.ref_cnt == 0:  # free and now unhashed: it belongs at the front
                 self.free.remove(block)
                 self.free.push_front(block)
+                self.num_cached_free -= 1
         self.uncommitted.clear()
         if removed:
             self.events.append(BlockRemoved(tuple(removed)))
@@ -193,6 +207,7 @@ class BlockPool:
             block.block_hash = None
         self.cached.clear()
         self.uncommitted.clear()
+        self.num_cached_free = 0
         self.events.append(AllBlocksCleared())
 
     def take_events(self) -> list[KVEvent]:
@@ -227,6 +242,10 @@ class KVCacheManager:
     @property
     def num_total_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def num_empty_blocks(self) -> int:
+        return self.pool.num_empty
 
     @property
     def usage(self) -> float:
