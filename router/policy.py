@@ -9,32 +9,38 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
     cached_w   = block_size * (confirmed + predicted_credit * (predicted - confirmed))
                  capped at P - 1 (the last prompt token is always computed: its logits are needed)
     uncached_w = P - cached_w
+    room_w     = max(0, block_size * kv_empty_blocks_w - queued_prefill_w)
     cost_w     = queued_prefill_w / prefill_rate_w
                  + uncached_weight * uncached_w / prefill_rate_ref
+                 + eviction_weight * max(0, uncached_w - room_w) / prefill_rate_ref
                  + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
 unmeasured worker is assumed as fast as the measured mean). The second is this request's own
-prefill, counted ``uncached_weight`` (default 2) times: once for its TTFT and once for the
-capacity it takes from the worker (duplicating a prefix elsewhere costs the cluster compute). It
-uses the mean measured rate of all workers, so measurement noise between identical GPUs never
-decides a route at even load. The third is the decode steps interleaved with it; the measured
-decode rate is floored at the default because at small batches it overstates what one more
-batched sequence costs.
+prefill, counted ``uncached_weight`` (default 4) times: for its TTFT, for the compute it takes
+from the worker, and for the copy it adds to the cluster's caches (a prefix computed on a
+second worker holds memory twice). It uses the mean measured rate of all workers, so
+measurement noise between identical GPUs never decides a route at even load. The third is
+what the new blocks evict: past the worker's empty room (free blocks holding no cached prefix,
+less what its queue will take) each uncached token displaces a cached one that may be asked
+for again. It steers new prefixes to workers with room rather than onto the few that hold a
+shared system prompt, and is the same for every worker once all pools are full. The fourth is
+the decode steps interleaved with it; the measured decode rate is floored at the default
+because at small batches it overstates what one more batched sequence costs.
 
 Why this instead of SGLang's global imbalance gate (abs 64 / rel 1.5 over all workers)? The
 gate is global: one overloaded worker switches affinity off for every request, scattering
 prefixes, lowering the hit rate, raising load, and keeping the gate open (the "death spiral").
 Here each request compares only the costs it would see, so:
 
-* a hot prefix spills to a second worker exactly when the holder's backlog outweighs twice the
-  saved prefill; the second worker then caches it and the two share it;
+* a hot prefix spills to a second worker exactly when the holder's backlog outweighs the
+  weighted saved prefill; the second worker then caches it and the two share it;
 * at even load the holder always wins (saved prefill outweighs small load differences);
 * an overloaded worker only loses the requests it would serve slowly.
 
 Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then by rendezvous
-hashing of ``tie_key`` (the chain's first block) with the worker key: deterministic in every
-router process, different per prefix.
+hashing of ``tie_key`` with the worker key: deterministic in every router process. The caller
+picks the key (``router.router_state.tie_key``: the first block no worker holds).
 """
 
 from __future__ import annotations

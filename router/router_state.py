@@ -44,26 +44,39 @@ class LocalPredictions:
 
     def record(self, chain: Sequence[bytes], worker: str, now: float) -> None:
         expiry = now + self.ttl_s
+        blocks = self._blocks
         for h in chain:
-            self._blocks.setdefault(h, {})[worker] = expiry
-            self._blocks.move_to_end(h)
+            entry = blocks.get(h)
+            if entry is None:
+                blocks[h] = {worker: expiry}  # a new key goes to the end already
+            else:
+                entry[worker] = expiry
+                blocks.move_to_end(h)
         while len(self._blocks) > self.max_blocks:
             self._blocks.popitem(last=False)
 
     def depths(self, chain: Sequence[bytes], now: float) -> dict[str, int]:
         """Consecutive predicted depth from block 0, per worker."""
         depth: dict[str, int] = {}
-        alive: set[str] | None = None
-        for i, h in enumerate(chain):
+        alive: list[str] = []  # workers whose prediction covers every block so far
+        matched = 0
+        for h in chain:
             entry = self._blocks.get(h)
             if not entry:
                 break
-            here = {w for w, expiry in entry.items() if expiry > now}
-            alive = here if alive is None else alive & here
+            if matched:
+                here = [w for w in alive if entry.get(w, 0.0) > now]
+            else:
+                here = [w for w, expiry in entry.items() if expiry > now]
+            for w in alive:
+                if w not in here:
+                    depth[w] = matched
+            alive = here
             if not alive:
                 break
-            for w in alive:
-                depth[w] = i + 1
+            matched += 1
+        for w in alive:
+            depth[w] = matched
         return depth
 
 
@@ -294,6 +307,11 @@ class RouterState:
         """The request goes (or went) to ``worker``: count its prefill there until reported."""
         if ctx.chain:
             self.local.record(ctx.chain, worker, now)
+        self._track(key, worker, ctx, internal_id, now)
+
+    def _track(
+        self, key: int, worker: str, ctx: RequestContext, internal_id: str, now: float
+    ) -> None:
         tokens = ctx.new_tokens.get(worker, ctx.num_prompt_tokens)
         self.routed[key] = Routed(worker, now, tokens, ctx.chain, ctx.depth.get(worker, 0),
                                   internal_id)
@@ -323,7 +341,11 @@ class RouterState:
         ctx = self.contexts.pop(key, None)
         if ctx is None:
             return None
-        self.note_routed(key, worker, ctx, internal_id, now)
+        first = self.routed.get(key)
+        if first is not None and first.worker == worker:  # its local prediction is recorded
+            self._track(key, worker, ctx, internal_id, now)
+        else:
+            self.note_routed(key, worker, ctx, internal_id, now)
         worker_id = self.worker_ids.get(worker)
         confirmed = ctx.confirmed.get(worker, 0)
         if len(ctx.chain) > confirmed and worker_id is not None and self.usable(now):

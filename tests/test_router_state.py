@@ -193,8 +193,20 @@ def test_sent_records_the_truth_and_asks_for_a_prediction() -> None:
     # Serve sent it to b (a was full): the record moves, b gets the predicted entry.
     assert st.sent(1, "b", "r1", now=0.1) == Prediction(A, 2, 0)
     assert st.routed[1].worker == "b" and st.routed[1].start_block == 0
+    assert st.local.depths(A, now=0.1) == {"a": 6, "b": 6}
     assert 1 not in st.contexts
     assert st.sent(1, "b", "r1", now=0.2) is None  # already handled
+
+
+def test_sent_to_the_first_choice_keeps_its_prediction_and_restamps_the_record() -> None:
+    st = compatible_state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    st.rank(1, ctx, ABC, lookup(a=2), now=0.0)
+    st.note_routed(1, "a", ctx, "r1", now=0.0)
+    assert st.sent(1, "a", "r1", now=0.5) is None  # a's worker id was never looked up
+    assert st.routed[1].worker == "a" and st.routed[1].routed_at == 0.5
+    assert st.routed[1].start_block == 2 and st.routed[1].new_tokens == 96 - 32
+    assert st.local.depths(A, now=1.9) == {"a": 6}  # recorded once, at routing time
 
 
 def test_no_prediction_when_unusable_unknown_or_fully_confirmed() -> None:
