@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
@@ -35,48 +35,42 @@ _ROUTED_MAX_AGE_S = 600.0
 
 
 class LocalPredictions:
-    """This router's own recent decisions, block by block, each expiring after ``ttl_s``."""
+    """This router's own recent decisions: the chains it sent to each worker, each expiring
+    after ``ttl_s``, at most ``max_blocks`` blocks in all (the oldest go first).
+
+    A worker's predicted depth for a chain is its longest common prefix with a chain recently
+    sent there: chained hashes make a block equal only when everything before it is, so that is
+    the consecutive run from block 0. Recording is O(1) and a query a binary search per recent
+    chain, so a long prompt costs no per-block work here.
+    """
 
     def __init__(self, ttl_s: float, max_blocks: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
-        self._blocks: OrderedDict[bytes, dict[str, float]] = OrderedDict()
+        self._sent: deque[tuple[float, str, Sequence[bytes]]] = deque()  # expiry order
+        self.num_blocks = 0
 
     def record(self, chain: Sequence[bytes], worker: str, now: float) -> None:
-        expiry = now + self.ttl_s
-        blocks = self._blocks
-        for h in chain:
-            entry = blocks.get(h)
-            if entry is None:
-                blocks[h] = {worker: expiry}  # a new key goes to the end already
-            else:
-                entry[worker] = expiry
-                blocks.move_to_end(h)
-        while len(self._blocks) > self.max_blocks:
-            self._blocks.popitem(last=False)
+        self._sent.append((now + self.ttl_s, worker, chain))
+        self.num_blocks += len(chain)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        sent = self._sent
+        while sent and (sent[0][0] <= now or self.num_blocks > self.max_blocks):
+            self.num_blocks -= len(sent.popleft()[2])
 
     def depths(self, chain: Sequence[bytes], now: float) -> dict[str, int]:
         """Consecutive predicted depth from block 0, per worker."""
+        self._expire(now)
         depth: dict[str, int] = {}
-        alive: list[str] = []  # workers whose prediction covers every block so far
-        matched = 0
-        for h in chain:
-            entry = self._blocks.get(h)
-            if not entry:
-                break
-            if matched:
-                here = [w for w in alive if entry.get(w, 0.0) > now]
-            else:
-                here = [w for w, expiry in entry.items() if expiry > now]
-            for w in alive:
-                if w not in here:
-                    depth[w] = matched
-            alive = here
-            if not alive:
-                break
-            matched += 1
-        for w in alive:
-            depth[w] = matched
+        if not chain:
+            return depth
+        for _, worker, sent in self._sent:
+            if sent and sent[0] == chain[0]:
+                shared = common_blocks(chain, sent)
+                if shared > depth.get(worker, 0):
+                    depth[worker] = shared
         return depth
 
 
@@ -192,6 +186,10 @@ class RouterSettings(BaseModel):
     target_wait_s: float = Field(
         10.0, gt=0.0, description="How long a call for one named worker waits for that replica "
         "to appear")
+    max_match_tokens: int = Field(
+        16384, ge=1, description="Routing matches at most this many leading prompt tokens "
+        "(hashing, index lookup and predictions grow with it; past it every worker counts as "
+        "uncached)")
     weights: PolicyConfig = Field(
         default_factory=PolicyConfig, description="The routing cost model (router.policy)")
     model: str = Field("", description="Served model name: the index keyspace",
@@ -244,7 +242,8 @@ class RouterState:
         block_size = self.settings.block_size
         chain: list[bytes] = []
         if self.settings.prefix_routing and self.fingerprint is not None:
-            chain = hash_chain(tokens, block_size, namespace(self.fingerprint, cache_salt))
+            chain = hash_chain(tokens[: self.settings.max_match_tokens], block_size,
+                               namespace(self.fingerprint, cache_salt))
         if chain:
             tie_key = chain[0]
         else:  # shorter than a block (or no fingerprint yet): nothing cacheable, just spread

@@ -65,9 +65,13 @@ def test_local_predictions_give_consecutive_depth_and_expire() -> None:
 
 def test_local_predictions_are_bounded() -> None:
     local = LocalPredictions(ttl_s=10.0, max_blocks=5)
-    local.record(A, "w1", now=0.0)
-    assert local.depths(A, now=1.0) == {}  # block 0 was evicted first
-    assert len(local._blocks) == 5
+    local.record(A[:3], "w1", now=0.0)
+    local.record(C[:2], "w2", now=0.0)
+    assert local.depths(A, now=1.0) == {"w1": 3} and local.num_blocks == 5
+    local.record(B[:2], "w3", now=0.5)  # 7 blocks: the oldest chain goes
+    assert local.depths(A, now=1.0) == {"w3": 2} and local.num_blocks == 4
+    local.record(A, "w1", now=0.6)  # longer than the bound on its own: not kept
+    assert local.depths(A, now=1.0) == {} and local.num_blocks == 0
 
 
 def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
@@ -99,6 +103,17 @@ def test_no_chain_without_fingerprint_or_prefix_routing(kw: dict) -> None:
     assert ctx.chain == [] and len(ctx.tie_key) == 16
     assert ctx.tie_key != other.tie_key  # short or unhashed prompts still spread by content
     assert st.context(3, [], None, now=0.0).num_prompt_tokens == 1
+
+
+def test_matching_stops_at_max_match_tokens() -> None:
+    st = state(max_match_tokens=40)  # two and a half blocks: two are matched
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    assert ctx.chain == A[:2] and ctx.num_prompt_tokens == 96  # the cost counts every token
+    ranking = st.rank(1, ctx, ABC, lookup(a=2, b=0), now=0.0)
+    assert ranking[0].key == "a" and ranking[0].uncached_tokens == 96 - 32
+    assert state().settings.max_match_tokens == 16384
+    with pytest.raises(ValueError):
+        RouterSettings(max_match_tokens=0)
 
 
 def test_stale_contexts_are_dropped_once_there_are_many() -> None:
