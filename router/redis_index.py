@@ -5,9 +5,9 @@ cluster client. TLS (``rediss://``) and AUTH (``redis://user:password@host``) co
 
 Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot per model)::
 
-    P.."B"           hash: 16-byte digest -> the 2-byte big-endian ids of the workers holding
-                     the block. One field per block is ~80 bytes of Redis memory (a key per
-                     block would be ~105), many blocks are read in ONE HMGET (a lookup walks
+    P.."B"           hash: a digest's first 8 bytes -> the 2-byte big-endian ids of the workers
+                     holding the block. One field per block is ~75 bytes of Redis memory (a key
+                     per block would be ~100), many blocks are read in ONE HMGET (a lookup walks
                      512 blocks in ~10 Redis calls) and an apply writes a batch with one HMGET
                      + HSET (+ HDEL).
     P.."q"..digest   predicted entries: records of 2-byte id + 13-digit expiry (ms, Redis
@@ -18,7 +18,7 @@ Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot pe
                      hash 2-byte id -> the worker's newest tails (at most ``_MAX_TAILS``); the
                      key's PX is the latest expiry. So a 2,048-block prompt costs ~170 KB of
                      Redis as 2,048 keys but ~12 KB as 64 keys + a tail (bench/index_bench.py).
-    P.."r:"..id      the worker's reverse index: its digests appended as 16-byte records.
+    P.."r:"..id      the worker's reverse index: its blocks' keys appended as 8-byte records.
                      Always a superset of its entries (removals leave garbage that is compacted
                      once it outweighs the live part), so GC of a dead worker is O(own blocks).
     P.."w:"..id      hash: rid, epoch, bs, fp, node, seq (-1 = needs resync), n, gc, gcpos
@@ -36,9 +36,11 @@ Connections: setting one up (TCP, TLS, AUTH) is bounded by ``connect_timeout_s``
 deadline of the call that needed it (see :class:`_SetupOffDeadline`), so a Redis that takes
 longer to connect to than a lookup may take still serves lookups once connected.
 
-Memory: a (block, worker) entry is 2 bytes (the worker id) in the block's field of the model's
-block hash plus 16 bytes in the worker's reverse index; with the field's own overhead shared by
-its holders that measured ~66 bytes an entry at 1M blocks x 2 holders (bench/index_bench.py).
+Memory: the block hash and the reverse indexes keep a digest's first ``INDEX_KEY_BYTES`` (8)
+bytes (``lua/_key.lua``: 64 bits name 20M blocks with a collision chance near 1e-5, and a
+collision only misroutes). A (block, worker) entry is 2 bytes (the worker id) in the block's
+field of the model's block hash plus 8 bytes in the worker's reverse index; the field's own
+overhead is shared by the block's holders.
 Redis must not evict keys on its own (``maxmemory-policy noeviction`` or ``volatile-*``):
 a partially evicted worker could leave entries that its reverse index does not know.
 """
@@ -60,7 +62,6 @@ from redis.exceptions import (
 )
 
 from router import redis_scripts
-from router.blocks import DIGEST_BYTES
 from router.events import (
     EventBatch,
     EventDecodeError,
@@ -86,6 +87,7 @@ log = logging.getLogger(__name__)
 _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
+INDEX_KEY_BYTES = 8  # of a digest, in the block hash and reverse indexes (lua/_key.lua)
 _DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
@@ -266,15 +268,18 @@ class RedisPrefixIndex:
     async def resync(self, worker_id: int, epoch: int, hashes: Iterable[bytes], seq: int) -> None:
         """Chunked so Redis never stalls on a large set; lookups meanwhile may see a mix of the
         old and new sets, which is harmless for an advisory index."""
-        new = dict.fromkeys(hashes)
-        packed_new = pack_digests(list(new))
+        digests = list(hashes)
+        pack_digests(digests)  # ValueError on a malformed digest
+        new = dict.fromkeys(h[:INDEX_KEY_BYTES] for h in digests)
+        packed_new = b"".join(new)
         keys = [self._w(worker_id), self._r(worker_id)]
         what = f"resync of worker {worker_id} epoch {epoch}"
         code, old_blob = await self._eval("resync_begin", keys, [epoch], self.admin_deadline_s)
         expect(code, what)
-        old = {old_blob[i : i + DIGEST_BYTES] for i in range(0, len(old_blob), DIGEST_BYTES)}
+        old = {old_blob[i : i + INDEX_KEY_BYTES]
+               for i in range(0, len(old_blob), INDEX_KEY_BYTES)}
         removes = b"".join(h for h in old if h not in new)
-        step = _RESYNC_CHUNK * DIGEST_BYTES
+        step = _RESYNC_CHUNK * INDEX_KEY_BYTES
         for start in range(0, max(len(removes), len(packed_new)), step):
             args = [self._prefix, worker_id, epoch, removes[start : start + step],
                     packed_new[start : start + step]]

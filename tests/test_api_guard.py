@@ -27,7 +27,7 @@ from servekit import serve_app
 from cluster.config import REDIS_URL_ENV, ClusterConfig
 from cluster.local_redis import free_port
 from router.blocks import hash_chain, namespace
-from router.redis_index import RedisPrefixIndex, key_tag
+from router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex, key_tag
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
@@ -139,14 +139,16 @@ def _index_holds_only_salted_digests(redis_url: str) -> None:
     asyncio.run(lookup())
     raw = redis.Redis.from_url(redis_url)
     prefix = "{" + key_tag(BUILTIN_MODEL_NAME) + "}"
-    stored: set[bytes] = set(raw.hkeys(prefix + "B"))
-    assert len(stored) >= 20, "the tenants' blocks are in the index, salted"
+    keys: set[bytes] = set(raw.hkeys(prefix + "B"))  # the block hash: digests' first bytes
+    assert len(keys) >= 20, "the tenants' blocks are in the index, salted"
+    digests: set[bytes] = set()
     for key in raw.scan_iter(match=prefix + "*"):
-        stored.add(key.removeprefix(prefix.encode() + b"q"))  # predicted entries' digests
-        if key.startswith(prefix.encode() + b"r:"):  # reverse indexes: 16-byte records
+        digests.add(key.removeprefix(prefix.encode() + b"q"))  # predicted entries' digests
+        if key.startswith(prefix.encode() + b"r:"):  # reverse indexes: block-hash keys
             blob = raw.get(key) or b""
-            stored.update(blob[i:i + 16] for i in range(0, len(blob), 16))
-    assert not stored & unsalted
+            keys.update(blob[i:i + INDEX_KEY_BYTES] for i in range(0, len(blob), INDEX_KEY_BYTES))
+    assert not digests & unsalted
+    assert not keys & {d[:INDEX_KEY_BYTES] for d in unsalted}
 
 
 def test_the_index_is_reached_over_tls_with_the_password(base_url: str, redis_url: str,

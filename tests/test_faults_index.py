@@ -25,7 +25,7 @@ from router.blocks import hash_chain, namespace
 from router.events import BlockStored, EventBatch, EventDecodeError, WorkerLoad, decode_load
 from router.index import IndexSettings, IndexUnavailable, ResultCode, UnknownWorker
 from router.publisher import EventPublisher
-from router.redis_index import RedisPrefixIndex
+from router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex
 
 pytestmark = pytest.mark.cluster
 
@@ -207,8 +207,9 @@ async def test_events_for_a_worker_that_does_not_exist(index: RedisPrefixIndex, 
 async def test_block_values_with_junk(index: RedisPrefixIndex, raw) -> None:
     ch = chain_of(8, 4)
     a, b = await two_workers(index, ch)
-    raw.hset(key(index, "B"), mapping={ch[2]: b"\x00" + raw.hget(key(index, "B"), ch[2]),
-                                       ch[3]: b"\xff"})
+    k2, k3 = ch[2][:INDEX_KEY_BYTES], ch[3][:INDEX_KEY_BYTES]  # the block hash's keys
+    raw.hset(key(index, "B"), mapping={k2: b"\x00" + raw.hget(key(index, "B"), k2),
+                                       k3: b"\xff"})
     assert (await depths(index, ch))["B"] == 2
     await index.apply(EventBatch(b, 1, 2, (BlockStored(tuple(ch)),)))
     assert (await depths(index, ch))["B"] == 4  # the junk values were replaced, not extended

@@ -29,7 +29,13 @@ from router.index import (
     expect,
     open_index,
 )
-from router.redis_index import _MAX_TAILS, RedisPrefixIndex, key_tag, tail_record
+from router.redis_index import (
+    _MAX_TAILS,
+    INDEX_KEY_BYTES,
+    RedisPrefixIndex,
+    key_tag,
+    tail_record,
+)
 from router.redis_scripts import SCRIPTS, source
 
 NS = namespace("test-model")
@@ -68,8 +74,13 @@ def keys_of(url: str, tag: str) -> list[bytes]:
 
 
 def block_entries(url: str, tag: str) -> dict[bytes, bytes]:
-    """The block hash: digest -> 2-byte big-endian ids of its holders."""
+    """The block hash: a digest's first 8 bytes -> 2-byte big-endian ids of its holders."""
     return redis.Redis.from_url(url).hgetall("{" + tag + "}B")
+
+
+def block_keys(chain: list[bytes]) -> set[bytes]:
+    """The block-hash keys of a chain's digests."""
+    return {h[:INDEX_KEY_BYTES] for h in chain}
 
 
 @pytest.mark.cluster
@@ -225,7 +236,7 @@ async def test_reverse_index_stays_bounded_under_churn(
         await index.apply(EventBatch(a, 1, seq, (BlockRemoved(tuple(ch)),)))
     # 6,000 blocks stored then evicted: garbage is compacted away, not kept forever.
     # (compaction runs once garbage exceeds 2 x live + 1024 records)
-    assert raw.strlen(f"{{{index.tag}}}r:{a}") <= 16 * (1024 + 1000)
+    assert raw.strlen(f"{{{index.tag}}}r:{a}") <= INDEX_KEY_BYTES * (1024 + 1000)
     keep = chain_of(200, 50)
     await index.apply(stored(a, seq + 1, keep))
     assert depths(await index.lookup(keep)) == {"A": (50, 50)}
@@ -257,7 +268,8 @@ async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: L
         assert not raw.exists(f"{p}w:{b}", f"{p}r:{b}")
         assert raw.hget(f"{p}load", b) is None
         blocks = block_entries(redis_server.url, idx.tag)
-        assert set(blocks) == set(ch)  # only A's blocks are left; B-only blocks are gone
+        assert set(blocks) == block_keys(ch)  # only A's blocks are left; B-only blocks are gone
+        assert raw.get(f"{p}r:{a}") == b"".join(h[:INDEX_KEY_BYTES] for h in ch)  # 8 B each
         assert set(blocks.values()) == {a.to_bytes(2, "big")}
         assert await idx.gc() == 0
 

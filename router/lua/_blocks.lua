@@ -1,4 +1,7 @@
--- Block-set primitives over a blob of 16-byte digests, in chunks of at most 256 keys per call.
+-- Block-set primitives over a blob of records (16-byte digests from events, KEY-byte keys
+-- from reverse indexes), keyed by each record's first KEY bytes, in chunks of at most 256
+-- keys per call.
+--#include _key.lua
 local CHUNK = 256
 
 local function code_of(id)
@@ -20,22 +23,23 @@ local function without(v, code)
   return table.concat(parts)
 end
 
--- calls fn(digests, values) for each chunk of the blob; values from the block hash
-local function each_chunk(bkey, blob, fn)
-  local n = #blob / 16
+-- calls fn(keys, values) for each chunk of the blob of `size`-byte records; values from the
+-- block hash
+local function each_chunk(bkey, blob, size, fn)
+  local n = math.floor(#blob / size)
   for s = 0, n - 1, CHUNK do
     local digests = {}
     for j = s, math.min(n, s + CHUNK) - 1 do
-      digests[#digests + 1] = string.sub(blob, j * 16 + 1, j * 16 + 16)
+      digests[#digests + 1] = string.sub(blob, j * size + 1, j * size + KEY)
     end
     fn(digests, redis.call('HMGET', bkey, unpack(digests)))
   end
 end
 
--- adds the worker to every block of the blob; returns the digests it newly holds
-local function add_blocks(bkey, code, blob)
+-- adds the worker to every block of the blob; returns the keys it newly holds
+local function add_blocks(bkey, code, blob, size)
   local added, seen = {}, {}
-  each_chunk(bkey, blob, function(digests, vals)
+  each_chunk(bkey, blob, size, function(digests, vals)
     local kv = {}
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
@@ -53,9 +57,9 @@ local function add_blocks(bkey, code, blob)
 end
 
 -- removes the worker from every block of the blob; returns how many entries it dropped
-local function remove_blocks(bkey, code, blob)
+local function remove_blocks(bkey, code, blob, size)
   local removed, seen = 0, {}
-  each_chunk(bkey, blob, function(digests, vals)
+  each_chunk(bkey, blob, size, function(digests, vals)
     local kv, dels = {}, {}
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
@@ -79,10 +83,10 @@ local function remove_blocks(bkey, code, blob)
   return removed
 end
 
--- the digests of the blob the worker really holds, once each
+-- the keys of the blob (of KEY-byte records) the worker really holds, once each
 local function held_blocks(bkey, code, blob)
   local keep, seen = {}, {}
-  each_chunk(bkey, blob, function(digests, vals)
+  each_chunk(bkey, blob, KEY, function(digests, vals)
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
       if v and not seen[d] and has(v, code) then

@@ -25,18 +25,18 @@ while pos <= len do
   local blob = string.sub(ops, pos + 5, pos + 4 + cnt * 16)
   pos = pos + 5 + cnt * 16
   if op == 'S' then
-    local added = add_blocks(bkey, code, blob)
+    local added = add_blocks(bkey, code, blob, 16)
     if #added > 0 then redis.call('APPEND', rkey, table.concat(added)) end
     n = n + #added
   elseif op == 'R' then
-    n = n - remove_blocks(bkey, code, blob)
+    n = n - remove_blocks(bkey, code, blob, 16)
   elseif op == 'C' then
-    remove_blocks(bkey, code, redis.call('GET', rkey) or '')
+    remove_blocks(bkey, code, redis.call('GET', rkey) or '', KEY)
     redis.call('DEL', rkey)
     n = 0
   end
 end
-if redis.call('STRLEN', rkey) / 16 > 2 * n + 1024 then
+if redis.call('STRLEN', rkey) / KEY > 2 * n + 1024 then
   local keep = held_blocks(bkey, code, redis.call('GET', rkey))
   if #keep > 0 then redis.call('SET', rkey, table.concat(keep)) else redis.call('DEL', rkey) end
   n = #keep

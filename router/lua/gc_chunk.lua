@@ -4,9 +4,9 @@ local flagged = redis.pcall('HEXISTS', KEYS[1], 'gc')
 if type(flagged) == 'table' or flagged == 0 then return {0, 1} end
 local pfx, id, max = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local pos = tonumber(redis.call('HGET', KEYS[1], 'gcpos') or '0')
-local chunk = redis.call('GETRANGE', KEYS[2], pos * 16, (pos + max) * 16 - 1)
-local removed = remove_blocks(pfx .. 'B', code_of(id), chunk)
-if #chunk < max * 16 then
+local chunk = redis.call('GETRANGE', KEYS[2], pos * KEY, (pos + max) * KEY - 1)
+local removed = remove_blocks(pfx .. 'B', code_of(id), chunk, KEY)
+if #chunk < max * KEY then
   redis.call('DEL', KEYS[1], KEYS[2])
   redis.pcall('HDEL', pfx .. 'T', code_of(id))  -- its sampled tails (pcall: junk is no worry)
   redis.call('SREM', KEYS[3], id)

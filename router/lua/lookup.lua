@@ -10,6 +10,7 @@
 -- matches the chain; while every walker rides one, the walk skips ahead.
 --#include _now.lua
 --#include _tails.lua
+--#include _key.lua
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
 local live = {}
@@ -62,11 +63,12 @@ local walked, i, chunk = 0, 0, 8
 local prev, clean = nil, false  -- last block's value; clean: every walker was confirmed there
 while nu > 0 and i < nblocks do
   local last = math.min(nblocks, i + chunk)
-  local fields = {}
+  local fields, bfields = {}, {}  -- digests (predicted keys), their block-hash keys
   for j = i + 1, last do
     fields[#fields + 1] = string.sub(chain, (j - 1) * 16 + 1, j * 16)
+    bfields[#bfields + 1] = string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY)
   end
-  local vb = redis.call('HMGET', bkey, unpack(fields))
+  local vb = redis.call('HMGET', bkey, unpack(bfields))
   local vq, qbase = nil, 0
   local skip = nil
   for j = i + 1, last do

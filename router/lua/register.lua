@@ -3,6 +3,7 @@
 --    | {IDS_EXHAUSTED, 0} (65,535 ids in use)
 --#include _now.lua
 --#include _codes.lua
+--#include _key.lua
 local pfx, rid, epoch = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local owner = redis.call('GET', KEYS[5])
 if owner and owner ~= ARGV[8] then return {TAG_TAKEN, 0} end
@@ -28,7 +29,7 @@ if id then
   if not old then  -- junk or missing record: rebuild it; the resync fixes its entries
     redis.log(redis.LOG_WARNING, 'prefix index: worker record ' .. w .. ' rebuilt')
     redis.call('HDEL', w, 'gc', 'gcpos')
-    redis.call('HSET', w, 'rid', rid, 'n', math.floor(redis.call('STRLEN', pfx .. 'r:' .. id) / 16))
+    redis.call('HSET', w, 'rid', rid, 'n', math.floor(redis.call('STRLEN', pfx .. 'r:' .. id) / KEY))
   end
   if not old or old < epoch then
     redis.call('HSET', w, 'epoch', ARGV[3], 'bs', ARGV[4], 'fp', ARGV[5], 'node', ARGV[6],

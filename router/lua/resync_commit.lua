@@ -1,7 +1,8 @@
--- KEYS: w, r   ARGV: epoch, seq, blob   -> code
+-- KEYS: w, r   ARGV: epoch, seq, blob (KEY-byte keys)   -> code
 --#include _epoch_ok.lua
+--#include _key.lua
 local code = epoch_state(KEYS[1], tonumber(ARGV[1]))
 if code ~= OK then return code end
 if #ARGV[3] > 0 then redis.call('SET', KEYS[2], ARGV[3]) else redis.call('DEL', KEYS[2]) end
-redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'n', #ARGV[3] / 16)
+redis.call('HSET', KEYS[1], 'seq', ARGV[2], 'n', #ARGV[3] / KEY)
 return OK
