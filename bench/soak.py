@@ -259,7 +259,8 @@ def wait_idle(app_name: str, timeout_s: float = 30.0) -> tuple[bool, dict[str, d
 
 
 def index_view(redis_url: str, model: str) -> dict[str, Any]:
-    """What Redis holds for the model: per worker id its block set, and the other keys."""
+    """What Redis holds for the model: per worker id its block set (the block hash's keys: each
+    digest's first ``router.redis_index.INDEX_KEY_BYTES``), and the other keys."""
     import redis
 
     from router.redis_index import key_tag
@@ -290,6 +291,8 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
     """Wait for idle, then compare blocks, index and RSS. Returns a report with ``problems``."""
     from ray import serve
 
+    from router.redis_index import INDEX_KEY_BYTES
+
     problems: list[str] = []
     idle, stats, idle_s = wait_idle(app_name, timeout_s)
     if not idle:
@@ -313,8 +316,8 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
             view = index_view(redis_url, model)
             diffs = {}
             for w, s in stats.items():
-                cached = set(handle.cached_block_hashes.remote(target_worker=w).result(
-                    timeout_s=15))
+                cached = {h[:INDEX_KEY_BYTES] for h in handle.cached_block_hashes.remote(
+                    target_worker=w).result(timeout_s=15)}
                 indexed = view["blocks"].get(s["worker_id"], set())
                 if cached != indexed:
                     diffs[w] = (len(cached), len(indexed), len(cached ^ indexed))

@@ -41,6 +41,7 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.index import PrefixIndex, open_index
+from router.redis_index import INDEX_KEY_BYTES
 from router.request_router import NoSuchReplica
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
@@ -396,8 +397,9 @@ def test_killed_worker_replica_waiting_requests_retry_streams_end_cleanly_it_com
     handle = serve.get_deployment_handle("LLMWorker", APP)
 
     def indexed_equals_cached() -> bool:
-        cached = set(handle.cached_block_hashes.remote(target_worker=new).result(timeout_s=15))
-        return cached == index_view(redis_server.url, MODEL)["blocks"].get(new_id, set())
+        cached = handle.cached_block_hashes.remote(target_worker=new).result(timeout_s=15)
+        indexed = index_view(redis_server.url, MODEL)["blocks"].get(new_id, set())
+        return {h[:INDEX_KEY_BYTES] for h in cached} == indexed
 
     assert wait_for(indexed_equals_cached, 15)
 
