@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
 
 DEFAULT_BLOCK_SIZE = 16
@@ -28,7 +26,6 @@ _MAGIC = b"PSB1"
 ROOT: bytes = hashlib.sha256(b"prefixserve/block-hash/v1/root").digest()[:DIGEST_BYTES]
 
 BlockHash = bytes
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)  # array's 4-byte unsigned type
 
 
 def _u32(value: int) -> bytes:
@@ -47,12 +44,9 @@ def namespace(model_fingerprint: str, cache_salt: str | None = None) -> bytes:
 def _pack(tokens: Sequence[int]) -> bytes:
     """Token ids as little-endian u32s."""
     try:
-        packed = array(_U32, tokens)
-    except (OverflowError, TypeError) as exc:
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    except struct.error as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
-    if sys.byteorder == "big":
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> BlockHash:
