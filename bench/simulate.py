@@ -67,6 +67,10 @@ RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
 WEIGHT_NAMES = {f.name for f in fields(PolicyConfig) if not f.metadata.get("internal")}
+# Arrivals come this long after the loads reported at registration (time 0), so the router counts
+# what it sends at the trace's time 0 as not yet in them: a live router's clock never stands
+# still between a report and a route, simulated time would.
+ARRIVAL_LAG_S = 1e-6
 MAX_BATCH_BLOCKS = 2048  # as the publisher: one apply stays well inside the deadline
 
 
@@ -312,6 +316,7 @@ class Simulator:
             await self._register()
             self._push(self.heartbeat_s, "heartbeat", None)
         for req in requests:
+            req.arrival_s += ARRIVAL_LAG_S
             self._push(req.arrival_s, "arrival", req)
         now = 0.0
         pending = len(requests)

@@ -58,14 +58,12 @@ def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server,
     rr = asyncio.run(simulate(requests, profile, 8, "round_robin", config, None))
     assert ray.requests == 40 and not ray.rejected
     assert ray.hit_rate > rr.hit_rate  # later turns follow the tree to their holder
-    # a weight given to the simulator reaches the ranking: arriving all at once, with a huge
-    # decode weight the running counts decide, and the routes (so the schedule) change
-    burst = trace_requests(trace, profile.vocab_size, max_input=4096, max_output=64,
-                           speedup=1000.0)
-    loaded = asyncio.run(simulate(burst, profile, 8, "prefix", config, redis_server.url,
-                                  weights=PolicyConfig(decode_weight=1e9)))
-    affine = asyncio.run(simulate(burst, profile, 8, "prefix", config, redis_server.url))
-    assert loaded.sim_time_s != affine.sim_time_s
+    # a weight given to the simulator reaches the ranking: when an uncached token costs 1,000
+    # prefill token-times, every request follows the shared first block to one worker
+    default = asyncio.run(simulate(requests, profile, 8, "prefix", config, redis_server.url))
+    affine = asyncio.run(simulate(requests, profile, 8, "prefix", config, redis_server.url,
+                                  weights=PolicyConfig(uncached_weight=1000.0)))
+    assert affine.busy_imbalance == 8.0 > default.busy_imbalance  # all on one of 8 workers
     weights = PolicyConfig(eviction_weight=0.7)
     sim = Simulator(profile, 2, "round_robin", config, None, weights=weights)
     assert sim.state.settings.weights == weights
