@@ -113,7 +113,7 @@ class RequestContext:
     """Per pending request, so retries never re-hash the prompt."""
 
     chain: list[bytes]
-    tie_key: bytes  # orders tied workers when the chain is empty (see tie_key())
+    tie_key: bytes  # orders tied workers when the chain is empty (see tie_key()); else b""
     num_prompt_tokens: int
     created_at: float
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
@@ -244,13 +244,12 @@ class RouterState:
         if self.settings.prefix_routing and self.fingerprint is not None:
             chain = hash_chain(tokens[: self.settings.max_match_tokens], block_size,
                                namespace(self.fingerprint, cache_salt))
-        if chain:
-            tie_key = chain[0]
-        else:  # shorter than a block (or no fingerprint yet): nothing cacheable, just spread
-            tie_key = hashlib.blake2b(
+        spread = b""  # a chain's tie key depends on the lookup (see tie_key())
+        if not chain:  # shorter than a block (or no fingerprint yet): nothing cacheable, spread
+            spread = hashlib.blake2b(
                 struct.pack(f"<{min(len(tokens), 64)}I", *tokens[:64]), digest_size=16
             ).digest()
-        ctx = RequestContext(chain, tie_key, max(1, len(tokens)), now)
+        ctx = RequestContext(chain, spread, max(1, len(tokens)), now)
         self.contexts[key] = ctx
         if len(self.contexts) > _MAX_CONTEXTS:
             for stale in [k for k, c in self.contexts.items()

@@ -89,7 +89,7 @@ def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
 def test_context_hashes_once_with_the_tenant_namespace() -> None:
     st = state()
     ctx = st.context(1, TOKENS_A, None, now=0.0)
-    assert ctx.chain == A and ctx.tie_key == A[0] and ctx.num_prompt_tokens == 96
+    assert ctx.chain == A and ctx.tie_key == b"" and ctx.num_prompt_tokens == 96
     assert st.context(1, [5] * 64, None, now=1.0) is ctx  # a retry: not hashed again
     salted = st.context(2, TOKENS_A, "tenant", now=0.0)
     assert salted.chain == hash_chain(TOKENS_A, 16, namespace("fp", "tenant")) != A
