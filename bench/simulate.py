@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
@@ -430,13 +431,11 @@ async def simulate(
     config: EngineConfig,
     redis_url: str | None,
     *,
-    publish_lag_s: float = 0.005,
-    heartbeat_s: float = 1.0,
-    seed: int = 0,
     ceiling: float | None = None,
-    weights: PolicyConfig | None = None,
+    **options: Any,
 ) -> RunResult:
-    """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given."""
+    """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given;
+    ``options`` are :class:`Simulator`'s keywords (publish lag, heartbeat, seed, weights)."""
     reqs = fresh(requests)
     index = None
     if policy == "prefix":
@@ -444,8 +443,7 @@ async def simulate(
         index = open_index(redis_url, f"sim-{policy}-{num_workers}-{time.time_ns()}",
                            deadline_s=INDEX_DEADLINE_S,
                            settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
-    sim = Simulator(profile, num_workers, policy, config, index, publish_lag_s=publish_lag_s,
-                    heartbeat_s=heartbeat_s, seed=seed, weights=weights)
+    sim = Simulator(profile, num_workers, policy, config, index, **options)
     start = time.perf_counter()
     try:
         end = await sim.run(reqs)
