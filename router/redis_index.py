@@ -62,6 +62,7 @@ from redis.exceptions import (
 )
 
 from router import redis_scripts
+from router.blocks import DIGEST_BYTES
 from router.events import (
     EventBatch,
     EventDecodeError,
@@ -268,9 +269,9 @@ class RedisPrefixIndex:
     async def resync(self, worker_id: int, epoch: int, hashes: Iterable[bytes], seq: int) -> None:
         """Chunked so Redis never stalls on a large set; lookups meanwhile may see a mix of the
         old and new sets, which is harmless for an advisory index."""
-        digests = list(hashes)
-        pack_digests(digests)  # ValueError on a malformed digest
-        new = dict.fromkeys(h[:INDEX_KEY_BYTES] for h in digests)
+        packed = pack_digests(list(hashes))  # ValueError on a malformed digest
+        new = dict.fromkeys(packed[i : i + INDEX_KEY_BYTES]
+                            for i in range(0, len(packed), DIGEST_BYTES))
         packed_new = b"".join(new)
         keys = [self._w(worker_id), self._r(worker_id)]
         what = f"resync of worker {worker_id} epoch {epoch}"

@@ -727,5 +727,8 @@ def test_scripts_are_assembled_from_shared_fragments() -> None:
     assert "local function epoch_state" in source("resync_chunk")
     assert "local function add_blocks" in source("resync_chunk")
     assert "redis.call('TIME')" in source("lookup")
+    # the scripts and the client cut digests to the same key length
+    for name in ("apply", "lookup", "gc_chunk", "resync_chunk", "resync_commit", "register"):
+        assert f"local KEY = {INDEX_KEY_BYTES}\n" in source(name), name
     with pytest.raises(ValueError):
         source("../index")

@@ -63,12 +63,11 @@ local walked, i, chunk = 0, 0, 8
 local prev, clean = nil, false  -- last block's value; clean: every walker was confirmed there
 while nu > 0 and i < nblocks do
   local last = math.min(nblocks, i + chunk)
-  local fields, bfields = {}, {}  -- digests (predicted keys), their block-hash keys
+  local fields = {}  -- the block-hash keys: each digest's first KEY bytes
   for j = i + 1, last do
-    fields[#fields + 1] = string.sub(chain, (j - 1) * 16 + 1, j * 16)
-    bfields[#bfields + 1] = string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY)
+    fields[#fields + 1] = string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY)
   end
-  local vb = redis.call('HMGET', bkey, unpack(bfields))
+  local vb = redis.call('HMGET', bkey, unpack(fields))
   local vq, qbase = nil, 0
   local skip = nil
   for j = i + 1, last do
@@ -94,7 +93,9 @@ while nu > 0 and i < nblocks do
       if need then
         if not vq then
           local qkeys = {}
-          for jj = j, last do qkeys[#qkeys + 1] = pfx .. 'q' .. fields[jj - i] end
+          for jj = j, last do  -- predicted keys carry the whole digest
+            qkeys[#qkeys + 1] = pfx .. 'q' .. string.sub(chain, (jj - 1) * 16 + 1, jj * 16)
+          end
           vq, qbase = redis.call('MGET', unpack(qkeys)), j - 1
         end
         local q = vq[j - qbase]
