@@ -51,7 +51,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
-from router.events import EventBatch, KVEvent, WorkerLoad
+from router.events import EventBatch, KVEvent
 from router.index import IndexSettings, IndexUnavailable, PrefixIndex, ResultCode, open_index
 from router.policy import PolicyConfig
 from router.ray_prefix import TOKEN_CHAR_BASE
@@ -229,11 +229,8 @@ class Simulator:
         if idle and w.idle_reported:
             return  # an unchanged idle load: the (long) lease needs no renewal
         w.idle_reported = idle
-        load = WorkerLoad(s.num_running, s.num_waiting, s.queued_prefill_tokens, s.kv_usage,
-                          s.prefill_tokens_per_s, s.decode_tokens_per_s, timestamp=now,
-                          kv_empty_blocks=s.num_empty_blocks)
         try:
-            await self.index.heartbeat(w.worker_id, 1, load)
+            await self.index.heartbeat(w.worker_id, 1, s.load(now))
         except IndexUnavailable:
             self.index_failures += 1
             w.idle_reported = False

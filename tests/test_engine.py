@@ -22,7 +22,7 @@ from transformers import (
 )
 
 from router.blocks import hash_chain
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
 from workers.engine import LLMEngine
 from workers.engine_types import EngineConfig
 from workers.errors import InvalidRequestError
@@ -299,6 +299,11 @@ def test_salt_isolates_and_no_leaks_after_abort(llama) -> None:
     # the prompts' blocks stay cached: free, but not empty room (the router's eviction term)
     assert len(eng.kv.pool.cached) > 0
     assert stats.num_empty_blocks == stats.num_total_blocks - len(eng.kv.pool.cached)
+    assert stats.load(5.0) == WorkerLoad(  # the report routers read, field for field
+        num_running=0, num_waiting=0, queued_prefill_tokens=0, kv_usage=0.0,
+        prefill_tokens_per_s=stats.prefill_tokens_per_s,
+        decode_tokens_per_s=stats.decode_tokens_per_s, timestamp=5.0,
+        kv_empty_blocks=stats.num_empty_blocks)
     assert stats.prompt_tokens_queried == 100 and stats.prompt_tokens_hit == 16 + 16
 
 

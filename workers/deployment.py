@@ -285,17 +285,8 @@ class LLMWorker:
 
     def load(self) -> WorkerLoad:
         """Engine-reported load from the latest snapshot (any thread)."""
-        s, taken_at = self._loop_thread.snapshot
-        return WorkerLoad(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            queued_prefill_tokens=s.queued_prefill_tokens,
-            kv_usage=s.kv_usage,
-            prefill_tokens_per_s=s.prefill_tokens_per_s,
-            decode_tokens_per_s=s.decode_tokens_per_s,
-            kv_empty_blocks=s.num_empty_blocks,
-            timestamp=taken_at,  # routers count what they sent after this as not yet in it
-        )
+        stats, taken_at = self._loop_thread.snapshot
+        return stats.load(taken_at)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve's periodic hook: what routers may use when the index has nothing."""

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.blocks import DEFAULT_BLOCK_SIZE
+from router.events import WorkerLoad
 from router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
@@ -96,6 +97,20 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int = 0
     num_empty_blocks: int = 0  # free blocks holding no cached prefix (room that evicts nothing)
+
+    def load(self, timestamp: float) -> WorkerLoad:
+        """The load report routers read; ``timestamp`` is when these stats were taken (routers
+        count what they sent after it as not yet in it)."""
+        return WorkerLoad(
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            queued_prefill_tokens=self.queued_prefill_tokens,
+            kv_usage=self.kv_usage,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            decode_tokens_per_s=self.decode_tokens_per_s,
+            kv_empty_blocks=self.num_empty_blocks,
+            timestamp=timestamp,
+        )
 
 
 @dataclass
