@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from bench.simulate import Simulator, parse_weight, simulate, trace_requests
+from bench.simulate import SimRequest, Simulator, parse_weight, simulate, trace_requests
 from router.policy import PolicyConfig
 from workers.engine_types import EngineConfig
 from workers.sim.profiles import H100_LLAMA3_8B
 
 pytestmark = pytest.mark.cluster
 TRACE = Path(__file__).resolve().parents[1] / "bench/traces/mooncake_conversation_1000.jsonl"
+PROFILE = H100_LLAMA3_8B
 
 
 def conversation_rows(path: Path, n: int) -> Path:
@@ -29,12 +30,19 @@ def conversation_rows(path: Path, n: int) -> Path:
     return path
 
 
+def workload(tmp_path: Path, rows: int) -> tuple[list[SimRequest], EngineConfig]:
+    """``rows`` conversation rows as requests (prompts cut to 4,096 tokens, 64 output tokens),
+    and an engine config of 1,024 blocks with the H100 profile's batch limits."""
+    trace = conversation_rows(tmp_path / "rows.jsonl", rows)
+    requests = trace_requests(trace, PROFILE.vocab_size, max_input=4096, max_output=64)
+    config = EngineConfig(num_blocks=1024, max_num_seqs=PROFILE.max_num_seqs,
+                          max_num_batched_tokens=PROFILE.max_num_batched_tokens)
+    return requests, config
+
+
 def test_prefix_routing_beats_round_robin_under_the_ceiling(redis_server, tmp_path) -> None:
-    profile = H100_LLAMA3_8B
-    trace = conversation_rows(tmp_path / "rows.jsonl", 50)
-    requests = trace_requests(trace, profile.vocab_size, max_input=4096, max_output=64)
-    config = EngineConfig(num_blocks=1024, max_num_seqs=profile.max_num_seqs,
-                          max_num_batched_tokens=profile.max_num_batched_tokens)
+    profile = PROFILE
+    requests, config = workload(tmp_path, 50)
 
     def run(policy: str):
         return asyncio.run(simulate(requests, profile, 8, policy, config, redis_server.url))
@@ -49,11 +57,8 @@ def test_prefix_routing_beats_round_robin_under_the_ceiling(redis_server, tmp_pa
 
 
 def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server, tmp_path) -> None:
-    profile = H100_LLAMA3_8B
-    trace = conversation_rows(tmp_path / "rows.jsonl", 40)
-    requests = trace_requests(trace, profile.vocab_size, max_input=4096, max_output=64)
-    config = EngineConfig(num_blocks=1024, max_num_seqs=profile.max_num_seqs,
-                          max_num_batched_tokens=profile.max_num_batched_tokens)
+    profile = PROFILE
+    requests, config = workload(tmp_path, 40)
     ray = asyncio.run(simulate(requests, profile, 8, "ray_prefix", config, None))
     rr = asyncio.run(simulate(requests, profile, 8, "round_robin", config, None))
     assert ray.requests == 40 and not ray.rejected
