@@ -22,12 +22,12 @@ setup: $(BIN)/python
 # Both tiers: the unit tier and the `cluster` tests (Ray Serve, redis-server; slow).
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q tests
+	PREFIXSERVE_FAST_EXIT=1 $(BIN)/pytest -q tests
 
 # The unit tier alone (no Ray, no redis-server, no real-model runs): well under a minute.
 test-unit: setup
 	$(BIN)/ruff check .
-	$(BIN)/pytest -q -m "not cluster and not slow" tests
+	PREFIXSERVE_FAST_EXIT=1 $(BIN)/pytest -q -m "not cluster and not slow" tests
 
 # Mutation testing of the pure core ([tool.mutmut] in pyproject.toml; scores and the surviving,
 # equivalent mutants in docs/mutation.md). Slow, so not part of `make test`. Starts afresh each
