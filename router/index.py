@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import enum
 import importlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 from urllib.parse import urlsplit
 
@@ -123,8 +123,13 @@ class WorkerMatch:
 
 @dataclass(frozen=True)
 class LookupResult:
-    matches: dict[str, WorkerMatch]  # keyed by replica_id; every live worker (depth 0 ok)
+    # keyed by replica_id: the live workers holding block 0 (confirmed or predicted), so a
+    # lookup costs what the chain's holders cost, not what the fleet does
+    matches: dict[str, WorkerMatch]
     blocks_walked: int = 0  # how far the walk went before it stopped early
+    # every live worker known, matched or not (shared: do not mutate)
+    loads: Mapping[str, WorkerLoad] = field(default_factory=dict)  # replica_id -> latest load
+    worker_ids: Mapping[str, int] = field(default_factory=dict)  # replica_id -> worker id
 
 
 class PrefixIndex(Protocol):
@@ -172,7 +177,8 @@ class PrefixIndex(Protocol):
         ...
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        """Every live worker's consecutive matched depth of ``chain`` plus its latest load."""
+        """The consecutive matched depth of ``chain`` of every live worker holding its first
+        block, plus every live worker's id and latest load."""
         ...
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:

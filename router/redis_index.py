@@ -25,7 +25,8 @@ Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot pe
     P.."reg"         set of allocated ids;  P.."ids"  hash replica_id -> id
     P.."live"        zset 2-byte id -> lease expiry (ms, Redis clock)
     P.."load"        hash 2-byte id -> msgpack WorkerLoad;  P.."lv"  load version (bumped on
-                     every change, so routers re-read loads only when one changed)
+                     every change);  P.."lz"  zset 2-byte id -> the version of its latest load,
+                     so a lookup returns only the loads changed since the caller's version
     P.."rv"          registry version (bumped when the id -> replica mapping changes)
     P.."name"        the model name owning the tag (detects tag collisions)
 
@@ -89,7 +90,7 @@ _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
 INDEX_KEY_BYTES = 8  # of a digest, in the block hash and reverse indexes (lua/_key.lua)
-_DEPTHS = struct.Struct(">HII")  # lookup reply per live worker: id, confirmed, predicted
+_DEPTHS = struct.Struct(">HII")  # lookup reply per matched worker: id, confirmed, predicted
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
 # the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
@@ -157,7 +158,7 @@ class RedisPrefixIndex:
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
-        self._k_lv, self._k_tails = p + "lv", p + "T"
+        self._k_lv, self._k_tails, self._k_lz = p + "lv", p + "T", p + "lz"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -166,6 +167,10 @@ class RedisPrefixIndex:
         self._rv: bytes | None = None
         self._lv = b""
         self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
+        # replica_id -> load / worker id of every known live worker; replaced (never changed)
+        # on news, so each LookupResult hands them out without a copy
+        self._by_replica: dict[str, WorkerLoad] = {}
+        self._ids: dict[str, int] = {}
         self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
 
     # -- plumbing -----------------------------------------------------------------------
@@ -225,7 +230,7 @@ class RedisPrefixIndex:
         return int(worker_id)
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
-        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv]
+        keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv, self._k_lz]
         args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
         code = await self._eval("heartbeat", keys, args)
         what = f"heartbeat of worker {worker_id}"
@@ -254,6 +259,10 @@ class RedisPrefixIndex:
                                 self.tag, flat[i], exc)
         self._workers = {w.worker_id: w for w in workers}
         self._rv = rv
+        self._ids = {w.replica_id: w.worker_id for w in workers}
+        for gone in self._loads.keys() - self._workers.keys():
+            del self._loads[gone]
+        self._publish_loads()
         return workers
 
     # -- events ---------------------------------------------------------------------------
@@ -294,27 +303,40 @@ class RedisPrefixIndex:
     # -- routing --------------------------------------------------------------------------
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails]
+        """Matches of the workers holding block 0 only; ids and loads of every live worker, of
+        which Redis sends only the loads changed since this client's last lookup."""
+        keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails, self._k_lz]
         args = [self._prefix, pack_digests(chain), self._lv]
-        rv, codes, recs, lv, loads, walked = await self._eval("lookup", keys, args)
-        ids = struct.unpack(f">{len(codes) // 2}H", codes)
-        if rv != self._rv or any(wid not in self._workers for wid in ids):
-            await self.live_workers()
-        if loads is not None:  # some load changed since our last lookup: refresh them all
-            self._lv = lv
-            for wid, raw in zip(ids, loads, strict=True):
-                self._decode_load(wid, raw)
+        rv, recs, lv, changed, everything, walked = await self._eval("lookup", keys, args)
         depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
+        if rv != self._rv or any(wid not in self._workers for wid in depth):
+            await self.live_workers()
+        self._lv = lv
+        if everything or changed:
+            news = {int.from_bytes(changed[i], "big"): changed[i + 1]
+                    for i in range(0, len(changed) - 1, 2) if len(changed[i]) == 2}
+            if everything:
+                for gone in self._loads.keys() - news.keys():
+                    del self._loads[gone]
+            for wid, raw in news.items():
+                self._decode_load(wid, raw)
+            self._publish_loads()
         matches = {}
-        for wid in ids:
+        for wid, (confirmed, predicted) in depth.items():
             info = self._workers.get(wid)
             if info is not None:
-                confirmed, predicted = depth.get(wid, (0, 0))
                 cached = self._loads.get(wid)
                 load = cached[1] if cached else None
                 matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
                                                        predicted, load)
-        return LookupResult(matches, walked)
+        return LookupResult(matches, walked, self._by_replica, self._ids)
+
+    def _publish_loads(self) -> None:
+        self._by_replica = {
+            info.replica_id: cached[1]
+            for wid, info in self._workers.items()
+            if (cached := self._loads.get(wid)) is not None and cached[1] is not None
+        }
 
     def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
         if raw is None:
@@ -353,7 +375,8 @@ class RedisPrefixIndex:
         return removed
 
     async def _mark_dead(self, only_id: str) -> list[bytes]:
-        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv]
+        keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv,
+                self._k_lz]
         return await self._eval(
             "gc_mark", keys, [self._prefix, only_id], self.admin_deadline_s
         )

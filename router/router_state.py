@@ -274,7 +274,8 @@ class RouterState:
         views = []
         for candidate in candidates:
             match = result.matches.get(candidate.key) if result is not None else None
-            load = self.load_for(candidate, match, now)
+            indexed = result.loads.get(candidate.key) if result is not None else None
+            load = self.load_for(candidate, match, now, indexed=indexed)
             tokens, count = 0.0, 0
             since = load.timestamp if load is not None else 0.0
             for routed in pending.get(candidate.key, ()):
@@ -365,12 +366,16 @@ class RouterState:
         return out
 
     def load_for(
-        self, candidate: Candidate, match: WorkerMatch | None, now: float
+        self, candidate: Candidate, match: WorkerMatch | None, now: float,
+        *, indexed: WorkerLoad | None = None,
     ) -> WorkerLoad | None:
-        """The index's load, else the last one seen (while fresh), else the routing stats'."""
-        if match is not None and match.load is not None:
-            self.loads[candidate.key] = (match.load, now)
-            return match.load
+        """The index's load (the match's, else ``indexed``: a lookup carries every live
+        worker's load but matches only the chain's holders), else the last one seen (while
+        fresh), else the routing stats'."""
+        fresh = match.load if match is not None and match.load is not None else indexed
+        if fresh is not None:
+            self.loads[candidate.key] = (fresh, now)
+            return fresh
         cached = self.loads.get(candidate.key)
         if cached is not None and now - cached[1] <= self.settings.load_max_age_s:
             return cached[0]
@@ -402,6 +407,9 @@ class RouterState:
         self.index_down_until = now + self.settings.failopen_backoff_s
 
     def looked_up(self, result: LookupResult) -> None:
+        """Learn every live worker's id (not only the matched ones'): a prefix no worker holds
+        yet must still be announced as predicted on the worker it is sent to."""
+        self.worker_ids.update(result.worker_ids)
         for key, match in result.matches.items():
             self.worker_ids[key] = match.worker_id
 

@@ -103,11 +103,11 @@ async def test_three_workers_exact_depths_and_early_stop(index: RedisPrefixIndex
     assert result.matches["A"].load is None
     assert {m.worker_id for m in result.matches.values()} == {a, b, c}
 
-    miss = await index.lookup(chain_of(3, 64))
-    assert depths(miss) == {"A": (0, 0), "B": (0, 0), "C": (0, 0)}
+    miss = await index.lookup(chain_of(3, 64))  # only workers holding block 0 are returned
+    assert depths(miss) == {}
     assert miss.blocks_walked == 1
-    assert depths(await index.lookup(other)) == {"A": (0, 0), "B": (0, 0), "C": (6, 6)}
-    assert depths(await index.lookup([])) == {"A": (0, 0), "B": (0, 0), "C": (0, 0)}
+    assert depths(await index.lookup(other)) == {"C": (6, 6)}
+    assert depths(await index.lookup([])) == {}
 
 
 @pytest.mark.cluster
@@ -124,20 +124,73 @@ async def test_deep_walk_across_chunk_boundaries(index: RedisPrefixIndex) -> Non
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("holders", [3, 40])  # 40: past the lookup's one-read-of-all-leases bar
+async def test_only_live_holders_of_block_0_are_matched(
+    index: RedisPrefixIndex, redis_server: LocalRedis, holders: int
+) -> None:
+    ids = [await register(index, f"W{i}") for i in range(holders + 2)]
+    ch = chain_of(41, 3)
+    for w in ids[:holders]:
+        assert await index.apply(stored(w, 1, ch if w != ids[1] else ch[:2])) is ResultCode.OK
+    assert await index.apply(stored(ids[-1], 1, ch[1:])) is ResultCode.OK  # no block 0: no match
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.zadd("{" + index.tag + "}live", {ids[0].to_bytes(2, "big"): 1})  # its lease lapsed
+    result = await index.lookup(ch)
+    want = {f"W{i}": (3, 3) for i in range(2, holders)} | {"W1": (2, 2)}
+    assert depths(result) == want
+    assert result.blocks_walked == 3
+
+
+@pytest.mark.cluster
 async def test_lookup_always_returns_the_latest_loads(index: RedisPrefixIndex) -> None:
     a = await register(index, "A")
     b = await register(index, "B")
     ch = chain_of(19, 2)
-    assert {m.load for m in (await index.lookup(ch)).matches.values()} == {None}
+    await index.apply(stored(a, 1, ch))
+    first = await index.lookup(ch)
+    assert first.loads == {} and first.matches["A"].load is None
     for running in (1, 2, 3):
         assert await index.heartbeat(a, 1, WorkerLoad(num_running=running))
         result = await index.lookup(ch)
         assert result.matches["A"].load.num_running == running
-        assert result.matches["B"].load is None
+        assert result.loads == {"A": WorkerLoad(num_running=running)}
         again = await index.lookup(ch)  # unchanged loads are served from the client's cache
         assert again.matches["A"].load == result.matches["A"].load
+        assert again.loads is result.loads
     await index.heartbeat(b, 1, WorkerLoad(kv_usage=0.25))
-    assert (await index.lookup(ch)).matches["B"].load.kv_usage == 0.25
+    result = await index.lookup(ch)  # B matched nothing: its load and id come all the same
+    assert "B" not in result.matches and result.loads["B"].kv_usage == 0.25
+    assert result.worker_ids == {"A": a, "B": b}
+    await index.gc()  # nobody dead: loads stay
+    await index.deregister(b)
+    result = await index.lookup(ch)
+    assert set(result.loads) == {"A"} and result.worker_ids == {"A": a}
+
+
+@pytest.mark.cluster
+async def test_a_lookup_returns_only_the_loads_changed_since_the_last(
+    index: RedisPrefixIndex, redis_server: LocalRedis
+) -> None:
+    ids = [await register(index, f"W{i}") for i in range(20)]
+    for w in ids:
+        assert await index.heartbeat(w, 1, WorkerLoad(num_running=w))
+    ch = chain_of(23, 2)
+    raw = redis.Redis.from_url(redis_server.url)
+    sha = index._scripts["lookup"].sha
+    prefix, lv = "{" + index.tag + "}", b""
+
+    def changed() -> list[bytes]:
+        reply = raw.evalsha(sha, 6, *(prefix + k for k in ("live", "load", "rv", "lv", "T", "lz")),
+                            prefix, b"".join(ch), lv)
+        return reply[3][::2]
+
+    assert len(changed()) == 20  # a client without a version gets every load
+    assert len((await index.lookup(ch)).loads) == 20
+    lv = index._lv
+    assert changed() == []  # nothing changed since: nothing is sent
+    await index.heartbeat(ids[3], 1, WorkerLoad(num_running=99))
+    assert changed() == [ids[3].to_bytes(2, "big")]
+    assert (await index.lookup(ch)).loads["W3"].num_running == 99
 
 
 @pytest.mark.cluster
@@ -279,7 +332,7 @@ async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: L
         assert await idx.apply(stored(b, 2, ch)) is ResultCode.RESYNC_NEEDED
         b2 = await register(idx, "B")
         assert b2 == b
-        assert depths(await idx.lookup(ch)) == {"A": (6, 6), "B": (0, 0)}
+        assert depths(await idx.lookup(ch)) == {"A": (6, 6)}
     finally:
         await idx.close()
 
@@ -315,14 +368,14 @@ async def test_predicted_entries_count_and_expire(redis_server: LocalRedis) -> N
         await idx.predict(ch[:6], a, from_block=3)
         assert depths(await idx.lookup(ch)) == {"A": (3, 6), "B": (0, 8)}
         await asyncio.sleep(0.45)
-        assert depths(await idx.lookup(ch)) == {"A": (3, 3), "B": (0, 0)}
+        assert depths(await idx.lookup(ch)) == {"A": (3, 3)}
         raw = redis.Redis.from_url(redis_server.url)
         assert raw.keys("{" + idx.tag + "}q*") == []
         # A hole in the confirmed blocks bridged by a prediction: predicted depth runs on.
         await idx.apply(stored(a, 2, ch[5:8]))
-        assert depths(await idx.lookup(ch)) == {"A": (3, 3), "B": (0, 0)}
+        assert depths(await idx.lookup(ch)) == {"A": (3, 3)}
         await idx.predict(ch[3:5], a)
-        assert depths(await idx.lookup(ch)) == {"A": (3, 8), "B": (0, 0)}
+        assert depths(await idx.lookup(ch)) == {"A": (3, 8)}
     finally:
         await idx.close()
 
@@ -496,7 +549,7 @@ async def test_blackholed_redis_raises_within_deadline() -> None:
             finally:
                 os.kill(server._proc.pid, signal.SIGCONT)
             idx.deadline_s = 1.0
-            assert set((await idx.lookup(chain_of(17, 4))).matches) == {"A"}
+            assert (await idx.lookup(chain_of(17, 4))).blocks_walked == 1
         finally:
             await idx.close()
 

@@ -213,6 +213,21 @@ def test_sent_records_the_truth_and_asks_for_a_prediction() -> None:
     assert st.sent(1, "b", "r1", now=0.2) is None  # already handled
 
 
+def test_a_cold_prefix_sent_to_a_non_holder_is_predicted_there() -> None:
+    # A lookup matches only the chain's holders (none here) but names every live worker, so
+    # the chosen worker's predicted entry is written and other routers follow it.
+    st = compatible_state()
+    load = WorkerLoad(num_running=5)
+    result = LookupResult({}, 1, {"b": load}, {"a": 1, "b": 2})
+    st.looked_up(result)
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    ranking = st.rank(1, ctx, [Candidate("a"), Candidate("b")], result, now=0.0)
+    assert ranking[0].key == "a"  # b's load comes from the lookup although b matched nothing
+    assert st.loads["b"] == (load, 0.0)
+    st.note_routed(1, "a", ctx, "r1", now=0.0)
+    assert st.sent(1, "a", "r1", now=0.0) == Prediction(A, 1, 0)
+
+
 def test_sent_to_the_first_choice_keeps_its_prediction_and_restamps_the_record() -> None:
     st = compatible_state()
     ctx = st.context(1, TOKENS_A, None, now=0.0)

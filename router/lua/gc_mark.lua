@@ -1,4 +1,4 @@
--- KEYS: reg, live, ids, load, rv, lv   ARGV: pfx, only_id ('' = every expired lease)
+-- KEYS: reg, live, ids, load, rv, lv, lz   ARGV: pfx, only_id ('' = every expired lease)
 -- Marks dead workers (gc flag, out of live/ids/load) and returns their ids.
 --#include _now.lua
 local pfx = ARGV[1]
@@ -46,6 +46,7 @@ for _, id in ipairs(valid) do
       if rid and redis.call('HGET', KEYS[3], rid) == id then redis.call('HDEL', KEYS[3], rid) end
       redis.call('ZREM', KEYS[2], code)
       redis.call('HDEL', KEYS[4], code)
+      redis.call('ZREM', KEYS[7], code)
       redis.call('INCR', KEYS[5])
       redis.call('INCR', KEYS[6])
     end

@@ -1,9 +1,12 @@
--- KEYS: live, load, rv, lv, tails   ARGV: pfx, chain (16-byte digests), the caller's load version
--- -> {rv, live 2-byte ids, per worker that matched anything: 2-byte id | u32 confirmed |
---     u32 predicted, lv, loads of the live workers in order (nil when lv is the caller's),
---     blocks walked}
+-- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
+--   version ('' for none)
+-- -> {rv, per live worker holding block 1: 2-byte id | u32 confirmed | u32 predicted, lv,
+--     {2-byte id, load, ...} of the loads changed since the caller's version, 1 when that is
+--     every load (the caller's version is unknown here), blocks walked}
 -- Walks block by block and stops at the first block no live worker matched (confirmed or
--- predicted). Blocks are read in HMGET chunks of 8, 16, 32, 64, 64, ... so it reads at most one
+-- predicted). Only the workers holding block 1 (confirmed, predicted, or by a tail) walk, and
+-- only their leases are read, so a lookup costs what the chain's holders cost, not what the
+-- fleet does. Blocks are read in HMGET chunks of 8, 16, 32, 64, 64, ... so it reads at most one
 -- chunk past that block; predicted keys are read only where a worker still walking has no
 -- confirmed entry (typically one chunk at the end of the walk). A worker that matched neither
 -- may still ride a sampled tail of a long prediction (_tails.lua) up to its last sample that
@@ -13,9 +16,36 @@
 --#include _key.lua
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
-local live = {}
-for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
-  if #c == 2 then live[#live + 1] = c end  -- anything else is junk, not a worker
+local live, cand = {}, {}
+if #chain >= 16 then
+  local v = redis.call('HGET', bkey, string.sub(chain, 1, KEY))
+  if v then
+    for k = 1, #v, 2 do cand[string.sub(v, k, k + 1)] = true end
+  end
+  local q = redis.call('GET', pfx .. 'q' .. string.sub(chain, 1, 16))
+  if q then
+    for k = 1, #q, 15 do cand[string.sub(q, k, k + 1)] = true end
+  end
+  if redis.call('EXISTS', KEYS[5]) == 1 then  -- workers with a sampled tail (few, if any)
+    local holders = redis.pcall('HKEYS', KEYS[5])
+    if not holders.err then
+      for _, c in ipairs(holders) do cand[c] = true end
+    end
+  end
+end
+local ncand = 0
+for _ in pairs(cand) do ncand = ncand + 1 end
+if ncand > 32 then  -- a popular first block: one read of every lease beats a call per holder
+  for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
+    if cand[c] and #c == 2 then live[#live + 1] = c end
+  end
+else
+  for c in pairs(cand) do
+    if #c == 2 then  -- anything else is junk, not a worker
+      local lease = redis.call('ZSCORE', KEYS[1], c)
+      if lease and tonumber(lease) >= now then live[#live + 1] = c end
+    end
+  end
 end
 local nblocks = #chain / 16
 local dc, dp, ac, au = {}, {}, {}, {}
@@ -59,7 +89,7 @@ local function reach(c, j)
   return best
 end
 
-local walked, i, chunk = 0, 0, 8
+local walked, i, chunk = math.min(nblocks, 1), 0, 8
 local prev, clean = nil, false  -- last block's value; clean: every walker was confirmed there
 while nu > 0 and i < nblocks do
   local last = math.min(nblocks, i + chunk)
@@ -152,7 +182,18 @@ for c in pairs(ac) do dc[c] = walked end
 local recs = {}
 for c, d in pairs(dp) do recs[#recs + 1] = c .. struct.pack('>I4I4', dc[c] or 0, d) end
 local lv = redis.call('GET', KEYS[4]) or '0'
-local loads = false
-if lv ~= ARGV[3] and #live > 0 then loads = redis.call('HMGET', KEYS[2], unpack(live)) end
-return {redis.call('GET', KEYS[3]) or '0', table.concat(live), table.concat(recs), lv, loads,
-        walked}
+local mine, all = tonumber(ARGV[3]), 0
+local changed = {}
+if not mine or not tonumber(lv) or mine > tonumber(lv) then  -- no version, or a reset store
+  changed, all = redis.call('HGETALL', KEYS[2]), 1
+elseif mine < tonumber(lv) then
+  local ids = redis.call('ZRANGEBYSCORE', KEYS[6], '(' .. ARGV[3], '+inf')
+  if #ids > 0 then
+    local vals = redis.call('HMGET', KEYS[2], unpack(ids))
+    for k, c in ipairs(ids) do
+      changed[#changed + 1] = c
+      changed[#changed + 1] = vals[k]
+    end
+  end
+end
+return {redis.call('GET', KEYS[3]) or '0', table.concat(recs), lv, changed, all, walked}
