@@ -66,6 +66,7 @@ from workers.sim.profiles import SimProfile, profile_for
 POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
+IDLE_HEARTBEAT_S = 5.0  # an idle worker's report interval (the replica's is lease / 3)
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
 WEIGHT_NAMES = {f.name for f in fields(PolicyConfig) if not f.metadata.get("internal")}
 # Arrivals come this long after the loads reported at registration (time 0), so the router counts
@@ -104,7 +105,7 @@ class SimWorker:
     unpublished: list[KVEvent] = field(default_factory=list)  # waiting for the flush
     flush_due: bool = False
     seq: int = 0
-    idle_reported: bool = False
+    idle_reported_at: float | None = None  # when it last reported itself idle
     dirty: bool = False  # an apply failed: the next flush replaces the whole set (resync)
 
 
@@ -203,6 +204,7 @@ class Simulator:
 
     def _worker(self, i: int, config: EngineConfig) -> SimWorker:
         worker = SimWorker(i, f"sim-worker-{i}", SimEngine(self.profile, config))
+        worker.engine.clock = lambda: self._now  # its busy share runs on simulated time
         worker.engine.on_kv_events = worker.step_events.extend
         return worker
 
@@ -226,14 +228,15 @@ class Simulator:
         assert self.index is not None
         s = w.engine.stats()
         idle = not (s.num_running or s.num_waiting)
-        if idle and w.idle_reported:
-            return  # an unchanged idle load: the (long) lease needs no renewal
-        w.idle_reported = idle
+        since = w.idle_reported_at
+        if idle and since is not None and now - since < IDLE_HEARTBEAT_S:
+            return  # an idle load changes only in its busy share, which decays slowly
+        w.idle_reported_at = now if idle else None
         try:
             await self.index.heartbeat(w.worker_id, 1, s.load(now))
         except IndexUnavailable:
             self.index_failures += 1
-            w.idle_reported = False
+            w.idle_reported_at = None
 
     async def _flush(self, w: SimWorker) -> None:
         """Apply the unpublished events in batches; after a failure, as the publisher does,

@@ -70,6 +70,7 @@ class WorkerLoad:
     decode_tokens_per_s: float = 0.0
     timestamp: float = 0.0
     kv_empty_blocks: int = 0  # free blocks holding no cached prefix: filling them evicts nothing
+    busy_share: float = 0.0  # of recent time spent in steps: ties go to the least busy
 
 
 def pack_digests(digests: Sequence[bytes]) -> bytes:

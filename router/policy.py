@@ -38,9 +38,12 @@ Here each request compares only the costs it would see, so:
 * at even load the holder always wins (saved prefill outweighs small load differences);
 * an overloaded worker only loses the requests it would serve slowly.
 
-Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then by rendezvous
-hashing of ``tie_key`` with the worker key: deterministic in every router process. The caller
-picks the key (``router.router_state.tie_key``: the first block no worker holds).
+Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then to the worker
+least busy lately (``WorkerLoad.busy_share``: at low load every idle worker ties, and sending each
+new prefix to the one that has worked least keeps sticky conversations from piling up on a few),
+then by rendezvous hashing of ``tie_key`` with the worker key. Both come from the workers'
+reports or the request, so every router process breaks a tie the same way. The caller picks the
+key (``router.router_state.tie_key``: the first block no worker holds).
 """
 
 from __future__ import annotations
@@ -177,10 +180,12 @@ def rank(
     if not scores:
         return []
     best = min(s.cost_s for s in scores)
+    busy = {w.key: w.load.busy_share if w.load else 0.0 for w in workers}
 
-    def order(s: Score) -> tuple[bool, float, int, int]:
+    def order(s: Score) -> tuple[bool, float, int, float, int]:
         tied = s.cost_s <= best + config.tie_tolerance_s
-        # Tied workers rank by depth then hash, not cost: load noise must not flip the pick.
-        return (not tied, 0.0 if tied else s.cost_s, -s.matched_blocks, -rendezvous(tie_key, s.key))
+        # Tied workers rank by depth, busy share, hash, not cost: load noise must not flip it.
+        return (not tied, 0.0 if tied else s.cost_s, -s.matched_blocks, busy[s.key],
+                -rendezvous(tie_key, s.key))
 
     return sorted(scores, key=order)

@@ -303,7 +303,8 @@ def test_salt_isolates_and_no_leaks_after_abort(llama) -> None:
         num_running=0, num_waiting=0, queued_prefill_tokens=0, kv_usage=0.0,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         decode_tokens_per_s=stats.decode_tokens_per_s, timestamp=5.0,
-        kv_empty_blocks=stats.num_empty_blocks)
+        kv_empty_blocks=stats.num_empty_blocks, busy_share=stats.busy_share)
+    assert 0.0 < stats.busy_share < 1.0  # its steps took wall time a moment ago
     assert stats.prompt_tokens_queried == 100 and stats.prompt_tokens_hit == 16 + 16
 
 

@@ -194,6 +194,22 @@ def test_tie_tolerance_absorbs_load_noise_but_not_real_differences() -> None:
     assert choice(busy, key=key) == "b"
 
 
+def test_ties_go_to_the_least_busy_worker_then_the_hash() -> None:
+    key = next(f"k{i}".encode() for i in range(100) if rendezvous(f"k{i}".encode(), "a") >
+               rendezvous(f"k{i}".encode(), "b"))
+    idle = [WorkerView(k, load=WorkerLoad(busy_share=s)) for k, s in (("a", 0.6), ("b", 0.2))]
+    assert choice(idle, key=key) == "b"  # "a" wins the hash but has worked more lately
+    idle = [WorkerView(k, load=WorkerLoad(busy_share=s)) for k, s in (("a", 0.2), ("b", 0.6))]
+    assert choice(idle, key=key) == "a"
+    # a deeper match still comes first, and a real cost difference is no tie
+    deeper = [WorkerView("a", 3, 3, WorkerLoad(busy_share=0.9)),
+              WorkerView("b", 2, 2, WorkerLoad(busy_share=0.0))]
+    assert choice(deeper, prompt=24, key=key) == "a"
+    queued = [WorkerView("a", load=WorkerLoad(busy_share=0.0, queued_prefill_tokens=400)),
+              WorkerView("b", load=WorkerLoad(busy_share=0.9))]
+    assert choice(queued, key=key) == "b"
+
+
 def test_rank_rejects_empty_prompt_and_handles_no_workers() -> None:
     assert rank(10, [], CFG) == []
     with pytest.raises(ValueError):

@@ -8,13 +8,14 @@ forked n=2 request and a cache reset in a pool small enough to run dry.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
 
 from workers.builtin import ensure_builtin_model
 from workers.engine import LLMEngine
-from workers.engine_types import EngineConfig
+from workers.engine_types import BUSY_WINDOW_S, BusyShare, EngineConfig
 from workers.sampling import SamplingParams
 from workers.scheduler import Sequence
 from workers.sim.engine import SimEngine
@@ -117,6 +118,28 @@ def test_virtual_clock_and_profiles() -> None:
     with pytest.raises(ValueError, match="known: sim:cpu-smollm2"):
         profile_for("sim:nope")
     assert CPU_SMOLLM2.fingerprint != H100_LLAMA3_8B.fingerprint
+
+
+def test_busy_share_decays_over_its_window_and_reaches_the_load_report() -> None:
+    share = BusyShare(window_s=100.0)
+    assert share.read(5.0) == 0.0
+    share.add(10.0, now=0.0)
+    share.add(20.0, now=50.0)
+    assert share.read(50.0) == pytest.approx(0.1 * math.exp(-0.5) + 0.2)
+    assert share.read(150.0) == pytest.approx((0.1 * math.exp(-0.5) + 0.2) * math.exp(-1))
+    assert share.read(20.0) == pytest.approx(0.1 * math.exp(-0.5) + 0.2)  # no growth backwards
+    share.add(500.0, now=150.0)
+    assert share.read(150.0) == 1.0
+    now = [1000.0]
+    eng = SimEngine(H100_LLAMA3_8B, EngineConfig(num_blocks=64))
+    eng.clock = lambda: now[0]
+    eng.add_request("r", list(range(100)), _params(1))
+    eng.step()
+    assert eng.last_step_s > 0
+    now[0] += BUSY_WINDOW_S
+    stats = eng.stats()
+    assert stats.busy_share == pytest.approx(eng.last_step_s / BUSY_WINDOW_S * math.exp(-1))
+    assert stats.load(1.0).busy_share == stats.busy_share
 
 
 def test_a_replica_loads_a_sim_model_that_sleeps_its_steps() -> None:

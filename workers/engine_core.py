@@ -11,13 +11,20 @@ and load the real engine's for the same token streams.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from router import blocks
 from router.events import KVEvent
 from router.request import TokenLogprob
-from workers.engine_types import RATE_SMOOTHING, EngineConfig, EngineStats, RequestOutput
+from workers.engine_types import (
+    RATE_SMOOTHING,
+    BusyShare,
+    EngineConfig,
+    EngineStats,
+    RequestOutput,
+)
 from workers.errors import InvalidRequestError
 from workers.kv_cache import KVCacheManager
 from workers.kv_tensor import fit_max_model_len
@@ -75,6 +82,8 @@ class EngineCore:
         self._ns_cache: dict[str | None, bytes] = {}
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
+        self._busy = BusyShare()
+        self.clock: Callable[[], float] = time.monotonic  # the tier-2 simulator's is virtual
 
     def namespace(self, cache_salt: str | None) -> bytes:
         ns = self._ns_cache.get(cache_salt)
@@ -243,6 +252,7 @@ class EngineCore:
     def _update_rates(self, sched: SchedulerOutput, seconds: float) -> None:
         if seconds <= 0:
             return
+        self._busy.add(seconds, self.clock())
         a = RATE_SMOOTHING
         if sched.num_prefill_tokens:
             rate = sched.num_prefill_tokens / seconds
@@ -277,6 +287,7 @@ class EngineCore:
             num_total_blocks=self.kv.num_total_blocks,
             num_preemptions=s.num_preemptions,
             num_empty_blocks=self.kv.num_empty_blocks,
+            busy_share=self._busy.read(self.clock()),
         )
 
     def cached_block_hashes(self) -> list[bytes]:

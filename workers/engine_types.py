@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -14,6 +15,7 @@ from router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
+BUSY_WINDOW_S = 120.0  # the time constant of an engine's busy share
 
 
 class EngineConfig(BaseModel):
@@ -97,6 +99,7 @@ class EngineStats:
     num_total_blocks: int
     num_preemptions: int = 0
     num_empty_blocks: int = 0  # free blocks holding no cached prefix (room that evicts nothing)
+    busy_share: float = 0.0  # of recent time spent in steps (BusyShare)
 
     def load(self, timestamp: float) -> WorkerLoad:
         """The load report routers read; ``timestamp`` is when these stats were taken (routers
@@ -109,8 +112,31 @@ class EngineStats:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
             kv_empty_blocks=self.num_empty_blocks,
+            busy_share=self.busy_share,
             timestamp=timestamp,
         )
+
+
+@dataclass
+class BusyShare:
+    """The share of recent time an engine spent in steps, exponentially averaged over
+    ``window_s``. Routers give ties between equally cheap workers to the least busy, so new
+    prefixes spread by the work each worker has done lately, not only by the instant's queues
+    (which are empty at low load, when every idle worker ties)."""
+
+    window_s: float = BUSY_WINDOW_S
+    value: float = 0.0
+    at: float | None = None  # when ``value`` was last brought up to date
+
+    def add(self, seconds: float, now: float) -> None:
+        """A step of ``seconds`` ended at ``now``."""
+        self.value = self.read(now) + seconds / self.window_s
+        self.at = now
+
+    def read(self, now: float) -> float:
+        if self.at is None:
+            return 0.0
+        return min(1.0, self.value * math.exp(-max(0.0, now - self.at) / self.window_s))
 
 
 @dataclass
