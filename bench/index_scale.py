@@ -24,10 +24,13 @@ shared chain twice holds its blocks once.
     .venv/bin/python -m bench.index_scale                          # 1,000 x 30,000, one Redis
     .venv/bin/python -m bench.index_scale --convs 6                # scaled down (3M entries)
     .venv/bin/python -m bench.index_scale --mode cluster --convs 6 # 3 shards, 3 models
+    .venv/bin/python -m bench.index_scale --mode groups --convs 6  # 3 shards, 1 model, 3 groups
 
 In a Redis Cluster one model's keys share one hash tag, hence one slot, hence one shard: the
 cluster mode fills ``--models`` models whose tags land on different shards, concurrently, and
-reports per-shard fill rate and memory (one model's whole index is on one shard).
+reports per-shard fill rate and memory (one model's whole index is on one shard). The groups
+mode splits one model over ``--shards`` worker groups (``IndexSettings.shards``) whose key
+prefixes spread over the shards: fill, memory, fan-out lookups and apply saturation per shard.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import socket
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +55,9 @@ from redis.crc import key_slot
 
 from cluster.local_redis import LocalRedis, free_port
 from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from router.index import IndexSettings, ResultCode, open_index
+from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
 from router.redis_index import RedisPrefixIndex, key_tag
+from router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name
 
 DIGEST = 16
 BLOCK_SIZE = 16
@@ -111,8 +115,10 @@ class Model:
     """One model's index in the store, its workers and the chains kept for lookups."""
 
     name: str
-    index: RedisPrefixIndex
-    raw: redis.Redis  # plain client of the shard holding the model's slot
+    index: PrefixIndex
+    # per worker group (one unless --shards): its store and a plain client of the shard
+    # holding the group's slot
+    parts: list[tuple[RedisPrefixIndex, redis.Redis]]
     ids: list[int]
     seqs: dict[int, int]
     samples: list[bytes] = field(default_factory=list)
@@ -120,15 +126,35 @@ class Model:
     blocks: int = 0
 
 
-async def open_model(url: str, name: str, raw: redis.Redis, workers: int) -> Model:
-    """Register ``workers`` replicas of ``name`` (leases long enough for the whole run)."""
-    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0)
+    @property
+    def raw(self) -> redis.Redis:
+        """The shard of an unsharded model."""
+        (part,) = self.parts
+        return part[1]
+
+    def shards(self) -> list[redis.Redis]:
+        """The distinct shards holding the model's groups."""
+        return list({id(raw): raw for _, raw in self.parts}.values())
+
+    def part(self, worker_id: int) -> tuple[RedisPrefixIndex, redis.Redis, int]:
+        """A worker's group store, its shard and the worker's id there."""
+        group, local = divmod(worker_id, GROUP_SPAN) if len(self.parts) > 1 else (0, worker_id)
+        return *self.parts[group], local
+
+
+async def open_model(url: str, name: str, raw_of: Callable[[str], redis.Redis], workers: int,
+                     shards: int = 1) -> Model:
+    """Register ``workers`` replicas of ``name`` (leases long enough for the whole run);
+    ``raw_of(tag)`` is the plain client of the shard holding a key prefix's slot."""
+    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0, shards=shards)
     index = open_index(url, name, deadline_s=30.0, settings=settings)
-    assert isinstance(index, RedisPrefixIndex)
+    stores = index.stores if isinstance(index, ShardedPrefixIndex) else [index]
+    assert all(isinstance(s, RedisPrefixIndex) for s in stores)
+    parts = [(s, raw_of(s.tag)) for s in stores]
     ids = [await index.register(f"{name}-gpu-{i}", epoch=1, block_size=BLOCK_SIZE,
                                 fingerprint="llama-3-8b", node=f"node-{i // 8}")
            for i in range(workers)]
-    return Model(name, index, raw, ids, dict.fromkeys(ids, 0))
+    return Model(name, index, parts, ids, dict.fromkeys(ids, 0))
 
 
 async def fill(model: Model, fleet: Fleet, concurrency: int, keep: int,
@@ -156,12 +182,11 @@ async def fill(model: Model, fleet: Fleet, concurrency: int, keep: int,
     start = time.perf_counter()
     await asyncio.gather(*(publisher() for _ in range(concurrency)))
     took = time.perf_counter() - start
-    pfx = model.index._prefix
-    pipe = model.raw.pipeline(transaction=False)
+    model.entries = 0
     for w in model.ids:
-        pipe.hget(f"{pfx}w:{w}", "n")
-    model.entries = sum(int(n) for n in pipe.execute())
-    model.blocks = model.raw.hlen(f"{pfx}B")
+        store, raw, local = model.part(w)
+        model.entries += int(raw.hget(f"{store._prefix}w:{local}", "n"))
+    model.blocks = sum(raw.hlen(f"{store._prefix}B") for store, raw in model.parts)
     return took
 
 
@@ -257,20 +282,22 @@ async def lookups(model: Model, depth: int, n: int, rng: random.Random) -> list[
 
 async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
                        churn: tuple[int, int, float] | None, heartbeats: float) -> list[dict]:
-    """Lookups of 128- and 512-block chains under the given background traffic."""
-    raw, sha = model.raw, model.index._scripts["lookup"].sha
+    """Lookups of 128- and 512-block chains under the given background traffic. A sharded
+    model's lookup is one script call per group: Redis times are per call, CPU is summed."""
+    raws, sha = model.shards(), model.parts[0][0]._scripts["lookup"].sha
     rows = []
     for depth in (128, 512):
         await lookups(model, depth, 50, rng)  # warm (and refresh the worker list)
         bg = Churn(model, model.ids[-churn[0]:], churn[1], churn[2]).start() if churn else None
         hb = Heartbeats(model, heartbeats).start() if heartbeats else None
         await asyncio.sleep(0.2)
-        raw.slowlog_reset()
-        cpu0, t0 = server_cpu_s(raw), time.perf_counter()
+        for raw in raws:
+            raw.slowlog_reset()
+        cpu0, t0 = sum(map(server_cpu_s, raws)), time.perf_counter()
         wall = await lookups(model, depth, n, rng)
         elapsed = time.perf_counter() - t0
-        cpu = server_cpu_s(raw) - cpu0
-        server = slowlog_ms(raw, sha)
+        cpu = sum(map(server_cpu_s, raws)) - cpu0
+        server = [ms for raw in raws for ms in slowlog_ms(raw, sha)]
         rate = await bg.stop() if bg else 0.0
         if hb:
             await hb.stop()
@@ -289,17 +316,20 @@ async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
 
 
 async def saturation(model: Model, batch: int, workers: int, seconds: float) -> dict:
-    """Apply throughput with ``workers`` concurrent publishers churning as fast as they can."""
-    raw, sha = model.raw, model.index._scripts["apply"].sha
-    raw.slowlog_reset()
-    cpu0 = server_cpu_s(raw)
+    """Apply throughput with ``workers`` concurrent publishers churning as fast as they can
+    (a sharded model's spread over its groups' shards: CPU per shard)."""
+    raws, sha = model.shards(), model.parts[0][0]._scripts["apply"].sha
+    for raw in raws:
+        raw.slowlog_reset()
+    cpu0 = [server_cpu_s(raw) for raw in raws]
     bg = Churn(model, model.ids[:workers], batch, 0.0).start()
     await asyncio.sleep(seconds)
     rate = await bg.stop()
-    cpu = server_cpu_s(raw) - cpu0
-    server = slowlog_ms(raw, sha)
+    cpu = [server_cpu_s(raw) - c for raw, c in zip(raws, cpu0, strict=True)]
+    server = [ms for raw in raws for ms in slowlog_ms(raw, sha)]
     row = {"phase": f"saturation {batch}-block batches x{workers}", "events_per_s": rate,
-           "events": bg.events, "redis_cpu_us_per_event": cpu / bg.events * 1e6,
+           "events": bg.events, "redis_cpu_us_per_event": sum(cpu) / bg.events * 1e6,
+           "redis_cpu_s_per_shard": cpu,
            "apply_p50_ms": statistics.median(server) if server else None,
            "apply_p99_ms": pct(server, 0.99) if server else None,
            "apply_max_ms": max(server) if server else None,
@@ -323,14 +353,14 @@ async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
     with LocalRedis() as server:
         raw = redis.Redis.from_url(server.url)
         raw.config_set("slowlog-log-slower-than", -1)
-        model = await open_model(server.url, "llama3-8b", raw, args.workers)
+        model = await open_model(server.url, "llama3-8b", lambda _: raw, args.workers)
         before = memory(raw)
         cpu0 = server_cpu_s(raw)
         took = await fill(model, fleet, args.concurrency, args.keep, rng)
         fill_cpu = server_cpu_s(raw) - cpu0
         after = memory(raw)
         mem = raw.info("memory")
-        rev = sum(raw.strlen(f"{model.index._prefix}r:{w}") for w in model.ids)
+        rev = sum(raw.strlen(f"{model.parts[0][0]._prefix}r:{w}") for w in model.ids)
         out: dict = {
             "mode": "single", "workers": args.workers, "entries": model.entries,
             "distinct_blocks": model.blocks, "holders_per_block": model.entries / model.blocks,
@@ -360,14 +390,30 @@ async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
         return out
 
 
+def node_of(tag: str, slots_per_node: list[tuple[int, int]]) -> int:
+    """The shard whose slot range holds key prefix ``{tag}``."""
+    slot = key_slot(("{" + tag + "}").encode())
+    return next(i for i, (lo, hi) in enumerate(slots_per_node) if lo <= slot <= hi)
+
+
+def pick_grouped(groups: int, slots_per_node: list[tuple[int, int]]) -> str:
+    """A model name whose worker groups' key prefixes spread evenly over the shards."""
+    shards = len(slots_per_node)
+    for k in itertools.count():
+        name = f"llama{k}"
+        nodes = [node_of(key_tag(group_name(name, g)), slots_per_node) for g in range(groups)]
+        if all(abs(nodes.count(i) - groups / shards) < 1 for i in range(shards)):
+            return name
+    raise AssertionError
+
+
 def pick_models(n: int, slots_per_node: list[tuple[int, int]]) -> list[str]:
     """Model names whose hash tags land on ``n`` different shards."""
     names: list[str] = []
     taken: set[int] = set()
     for k in itertools.count():
         name = f"llama{k}"
-        slot = key_slot(("{" + key_tag(name) + "}").encode())
-        node = next(i for i, (lo, hi) in enumerate(slots_per_node) if lo <= slot <= hi)
+        node = node_of(key_tag(name), slots_per_node)
         if node not in taken:
             taken.add(node)
             names.append(name)
@@ -417,23 +463,72 @@ def start_cluster(n: int) -> list[LocalRedis]:
     raise TimeoutError("cluster did not become ok")
 
 
+def cluster_nodes(servers: list[LocalRedis]) -> tuple[list[redis.Redis], list[tuple[int, int]]]:
+    """A plain client of each shard and the slot range it serves."""
+    raws = [redis.Redis(port=s.port) for s in servers]
+    ranges = []
+    for r in raws:
+        slots = [s for s in r.cluster("slots")
+                 if s[2][1] == r.connection_pool.connection_kwargs["port"]]
+        ranges.append((slots[0][0], slots[0][1]))
+    return raws, ranges
+
+
+async def run_groups(args: argparse.Namespace, fleet: Fleet) -> dict:
+    """One model split over ``--shards`` worker groups spread over a 3-shard cluster."""
+    rng = random.Random(args.seed)
+    servers = start_cluster(3)
+    try:
+        raws, ranges = cluster_nodes(servers)
+        name = pick_grouped(args.shards, ranges)
+        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        model = await open_model(url, name, lambda tag: raws[node_of(tag, ranges)],
+                                 args.workers, args.shards)
+        for r in raws:
+            r.config_set("slowlog-log-slower-than", -1)
+        before = [memory(r) for r in raws]
+        cpu0 = [server_cpu_s(r) for r in raws]
+        took = await fill(model, fleet, args.concurrency, args.keep, rng)
+        cpu = [server_cpu_s(r) - c for r, c in zip(raws, cpu0, strict=True)]
+        grown = [memory(r) - b for r, b in zip(raws, before, strict=True)]
+        out: dict = {
+            "mode": "groups", "workers": args.workers, "groups": args.shards,
+            "groups_per_shard": [sum(raw is r for _, raw in model.parts) for r in raws],
+            "entries": model.entries, "group_blocks": model.blocks,
+            "fill_s": took, "fill_events_per_s": model.entries / took,
+            "fill_redis_cpu_us_per_event": sum(cpu) / model.entries * 1e6,
+            "fill_redis_cpu_share_per_shard": [c / sum(cpu) for c in cpu],
+            "used_memory_delta_per_shard": grown,
+            "bytes_per_entry": sum(grown) / model.entries,
+            "fill_loadavg": os.getloadavg()[0],
+        }
+        print(json.dumps(out), flush=True)
+        for r in raws:
+            slowlog_on(r)
+        rows = await lookup_phase(model, "groups, alone", args.lookups, rng, None, 0)
+        churn = (args.churn_workers, args.churn_batch, args.event_rate)
+        rows += await lookup_phase(model, "groups, with events", args.lookups, rng, churn, 0)
+        for batch in (32, 512):
+            rows.append(await saturation(model, batch, args.concurrency, args.apply_seconds))
+        out["rows"] = rows
+        await model.index.close()
+        return out
+    finally:
+        for s in servers:
+            s.close()
+
+
 async def run_cluster(args: argparse.Namespace, fleet: Fleet) -> dict:
     rng = random.Random(args.seed)
     servers = start_cluster(3)
     try:
-        raws = [redis.Redis(port=s.port) for s in servers]
-        ranges = []
-        for r in raws:
-            slots = [s for s in r.cluster("slots")
-                     if s[2][1] == r.connection_pool.connection_kwargs["port"]]
-            ranges.append((slots[0][0], slots[0][1]))
+        raws, ranges = cluster_nodes(servers)
         names = pick_models(args.models, ranges)
         url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
         models = []
         for name in names:
-            slot = key_slot(("{" + key_tag(name) + "}").encode())
-            node = next(i for i, (lo, hi) in enumerate(ranges) if lo <= slot <= hi)
-            models.append(await open_model(url, name, raws[node], args.workers))
+            node = node_of(key_tag(name), ranges)
+            models.append(await open_model(url, name, lambda _, r=raws[node]: r, args.workers))
         for r in raws:
             r.config_set("slowlog-log-slower-than", -1)
         before = [memory(r) for r in raws]
@@ -489,7 +584,10 @@ async def run_cluster(args: argparse.Namespace, fleet: Fleet) -> dict:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("single", "cluster"), default="single")
+    p.add_argument("--mode", choices=("single", "cluster", "groups"), default="single",
+                   help="one Redis; 3 shards, one model each; 3 shards, one model over "
+                   "--shards worker groups")
+    p.add_argument("--shards", type=int, default=3, help="groups mode: worker groups")
     p.add_argument("--workers", type=int, default=1000, help="workers per model")
     p.add_argument("--convs", type=int, default=59,
                    help="conversations per worker (59 x 512 blocks ~ 30,000 blocks)")
@@ -518,7 +616,7 @@ def main() -> None:
     args = parse_args()
     fleet = Fleet(args.workers, args.convs, args.conv_blocks, args.pool_chains,
                   [int(x) for x in args.shared_lens.split(",")], args.zipf, args.seed)
-    run = run_single if args.mode == "single" else run_cluster
+    run = {"single": run_single, "cluster": run_cluster, "groups": run_groups}[args.mode]
     out = asyncio.run(run(args, fleet))
     out["args"] = vars(args) | {"json": str(args.json)}
     out["cores"], out["loadavg_end"] = os.cpu_count(), os.getloadavg()

@@ -52,6 +52,11 @@ class IndexSettings(BaseModel):
         "the request path, so it can be generous; routers use lookup_deadline_s")
     admin_deadline_s: float = Field(
         1.0, gt=0.0, description="Deadline of maintenance calls (register, resync, GC)")
+    shards: int = Field(
+        1, ge=1, le=256, description="Worker groups the model's index is split over, each "
+        "under its own key prefix (one Redis Cluster slot each): workers write to their "
+        "group's, lookups ask all at once. More than 1 when one Redis core cannot keep up "
+        "with the fleet's KV events (about 400k block events/s)")
     connect_timeout_s: float = Field(
         2.0, gt=0.0, description="Time to set up a connection to the index (TCP, TLS, AUTH), "
         "kept out of the call deadlines so that a TLS Redis a few ms away still serves 20 ms "
@@ -218,4 +223,10 @@ def open_index(
         raise ValueError(f"no prefix index store serves {scheme or 'scheme-less'} URLs ({known})")
     module, _, name = target.partition(":")
     store = getattr(importlib.import_module(module), name)
-    return store(url, model, deadline_s=deadline_s, settings=settings)
+    settings = settings or IndexSettings()
+    if settings.shards == 1:
+        return store(url, model, deadline_s=deadline_s, settings=settings)
+    from router.sharded_index import ShardedPrefixIndex  # here: it imports this module
+
+    return ShardedPrefixIndex(
+        model, settings, lambda group: store(url, group, deadline_s=deadline_s, settings=settings))

@@ -3,7 +3,8 @@
 All keys of a model share one Redis Cluster hash tag; ``?cluster=true`` in the URL selects the
 cluster client. TLS (``rediss://``) and AUTH (``redis://user:password@host``) come with the URL.
 
-Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot per model)::
+Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot per model, or per
+worker group of it: :mod:`router.sharded_index`)::
 
     P.."B"           hash: a digest's first 8 bytes -> the 2-byte big-endian ids of the workers
                      holding the block. One field per block is ~75 bytes of Redis memory (a key

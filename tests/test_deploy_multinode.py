@@ -3,7 +3,8 @@
 `ray.cluster_utils.Cluster` starts a head and three worker nodes on this machine; each worker
 node offers one logical accelerator (a custom resource, since there are no GPUs here) and
 `worker_resources` + `max_workers_per_node` place one replica per node. Then a node is removed:
-serving goes on, and the dead worker's index entries disappear within the lease TTL.
+serving goes on, and the dead worker's index entries disappear within the lease TTL. The index
+is split over two worker groups (``index.shards``), as a large fleet's would be.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
 from cluster.render import WORKER_HEADER
 from router.blocks import hash_chain, namespace
-from router.index import WorkerInfo, open_index
+from router.index import IndexSettings, WorkerInfo, open_index
+from router.sharded_index import GROUP_SPAN, group_of
 from workers.builtin import ensure_builtin_model
 from workers.checkpoints import BUILTIN_MODEL_NAME, checkpoint_fingerprint
 
 LEASE_TTL_S = 3.0
+INDEX = IndexSettings(shards=2, lease_ttl_s=LEASE_TTL_S)
 BLOCK = 16
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
 
@@ -49,7 +52,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
     config = ClusterConfig(
         model=BUILTIN_MODEL_NAME, redis_url=redis_server.url, num_workers=3, max_workers_per_node=1,
         worker_resources={"accel": 1}, cpus_per_worker=0.5, cpus_per_ingress=0.25,
-        num_blocks=128, max_model_len=512, max_num_seqs=8, lease_ttl_s=LEASE_TTL_S,
+        num_blocks=128, max_model_len=512, max_num_seqs=8, index=INDEX,
     )
     port = free_port()
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
@@ -65,7 +68,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
 
 def live_workers(url: str) -> list[WorkerInfo]:
     async def go() -> list[WorkerInfo]:
-        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
+        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0, settings=INDEX)
         try:
             return await index.live_workers()
         finally:
@@ -79,7 +82,7 @@ def depths(url: str, tokens: list[int]) -> dict[str, int]:
     ns = namespace(checkpoint_fingerprint(ensure_builtin_model()))
 
     async def go() -> dict[str, int]:
-        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0)
+        index = open_index(url, BUILTIN_MODEL_NAME, deadline_s=1.0, settings=INDEX)
         try:
             found = await index.lookup(hash_chain(tokens, BLOCK, ns))
             return {m.replica_id: m.confirmed_depth for m in found.matches.values()}
@@ -124,7 +127,11 @@ def test_serving_goes_on_after_a_node_is_removed(deployed: Deployed,
     p = prefix(100)
     holder = complete(deployed.url, [*p, 1, 2]).headers[WORKER_HEADER]
     assert depths(redis_server.url, [*p, 1, 2]).get(holder, 0) >= 8
-    node_of = {w.replica_id: w.node for w in live_workers(redis_server.url)}
+    workers = live_workers(redis_server.url)
+    # each worker registered in its group's part of the index (the id carries the group)
+    assert len(workers) == 3 and all(
+        divmod(w.worker_id, GROUP_SPAN)[0] == group_of(w.replica_id, 2) for w in workers)
+    node_of = {w.replica_id: w.node for w in workers}
     (victim,) = [n for n in deployed.nodes if n.node_id == node_of[holder]]
 
     deployed.cluster.remove_node(victim)

@@ -732,6 +732,22 @@ async def test_redis_cluster_via_url() -> None:
             assert len(holders) == 1
         finally:
             await idx.close()
+        # ... unless the model is split over worker groups: then their slots spread it
+        name = model_name()
+        sharded = open_index(nodes[0].url + "?cluster=true", name, deadline_s=2.0,
+                             settings=IndexSettings(shards=8))
+        try:
+            rids = [f"W{i}" for i in range(24)]
+            wids = [await register(sharded, rid) for rid in rids]
+            for seq, wid in enumerate(wids):
+                assert await sharded.apply(stored(wid, 1, ch[: 1 + seq % 6])) is ResultCode.OK
+            assert depths(await sharded.lookup(ch)) == {
+                rid: (1 + i % 6,) * 2 for i, rid in enumerate(rids)}
+            tags = {"{" + key_tag(f"{name}#{g}") + "}" for g in range(8)}
+            holders = [r for r in raws if any(r.keys(t + "*") for t in tags)]
+            assert len(holders) >= 2
+        finally:
+            await sharded.close()
     finally:
         for node in nodes:
             node.close()

@@ -15,7 +15,7 @@ from router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
-BUSY_WINDOW_S = 120.0  # the time constant of an engine's busy share
+BUSY_WINDOW_S = 1800.0  # the time constant of an engine's busy share
 
 
 class EngineConfig(BaseModel):

@@ -1,0 +1,114 @@
+"""One model's index over K worker groups (``IndexSettings.shards``), on a real Redis."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import redis
+
+from cluster.local_redis import LocalRedis
+from router.blocks import hash_chain, namespace
+from router.events import BlockStored, EventBatch, WorkerLoad
+from router.index import IndexSettings, ResultCode, open_index
+from router.redis_index import key_tag
+from router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
+
+SHARDS = 3
+NS = namespace("sharded")
+pytestmark = pytest.mark.cluster
+
+
+def chain_of(seed: int, n: int) -> list[bytes]:
+    return hash_chain([seed * 1000 + i for i in range(n * 4)], block_size=4, ns=NS)
+
+
+def depths(result) -> dict[str, tuple[int, int]]:
+    return {rid: (m.confirmed_depth, m.predicted_depth) for rid, m in result.matches.items()}
+
+
+def one_per_group(shards: int = SHARDS) -> list[str]:
+    """A replica id for each group, in group order."""
+    found: dict[int, str] = {}
+    i = 0
+    while len(found) < shards:
+        found.setdefault(group_of(f"R{i}", shards), f"R{i}")
+        i += 1
+    return [found[g] for g in range(shards)]
+
+
+@pytest.fixture
+async def index(redis_server: LocalRedis):
+    idx = open_index(redis_server.url, "s" + uuid.uuid4().hex[:7], deadline_s=1.0,
+                     settings=IndexSettings(shards=SHARDS, lease_ttl_s=5.0, predict_ttl_s=5.0))
+    assert isinstance(idx, ShardedPrefixIndex)
+    yield idx
+    await idx.close()
+
+
+async def register(idx, rid: str, epoch: int = 1) -> int:
+    return await idx.register(rid, epoch=epoch, block_size=4, fingerprint="fp", node="n0")
+
+
+def tag_keys(url: str, model: str, group: int) -> list[bytes]:
+    return redis.Redis.from_url(url).keys("{" + key_tag(group_name(model, group)) + "}*")
+
+
+async def test_workers_write_to_their_group_and_lookups_merge_every_group(
+    index: ShardedPrefixIndex, redis_server: LocalRedis
+) -> None:
+    names = one_per_group()
+    ids = [await register(index, rid) for rid in names]
+    assert [divmod(w, GROUP_SPAN) for w in ids] == [(g, 1) for g in range(SHARDS)]
+    assert await register(index, names[2]) == ids[2]  # idempotent, in the same group
+    ch = chain_of(1, 8)
+    for w, n in zip(ids, (8, 5, 2), strict=True):
+        assert await index.apply(EventBatch(w, 1, 1, (BlockStored(tuple(ch[:n])),))) \
+            is ResultCode.OK
+    for g in range(SHARDS):  # each group's keys hold only its own worker's blocks
+        assert any(k.endswith(b"B") for k in tag_keys(redis_server.url, index.model, g))
+    assert await index.heartbeat(ids[1], 1, WorkerLoad(num_running=4))
+
+    result = await index.lookup(ch)
+    assert depths(result) == {names[0]: (8, 8), names[1]: (5, 5), names[2]: (2, 2)}
+    assert {k: m.worker_id for k, m in result.matches.items()} == dict(zip(names, ids,
+                                                                          strict=True))
+    assert result.blocks_walked == 8
+    assert result.worker_ids == dict(zip(names, ids, strict=True))
+    assert result.loads == {names[1]: WorkerLoad(num_running=4)}
+    assert result.matches[names[1]].load == WorkerLoad(num_running=4)
+    again = await index.lookup(ch)  # nothing changed: the merged mappings are reused
+    assert again.loads is result.loads and again.worker_ids is result.worker_ids
+    assert await index.heartbeat(ids[2], 1, WorkerLoad(kv_usage=0.5))
+    assert (await index.lookup(ch)).loads[names[2]] == WorkerLoad(kv_usage=0.5)
+
+    assert sorted((w.worker_id, w.replica_id) for w in await index.live_workers()) == \
+        sorted(zip(ids, names, strict=True))
+
+
+async def test_predictions_resync_and_removal_go_to_the_workers_group(
+    index: ShardedPrefixIndex, redis_server: LocalRedis
+) -> None:
+    names = one_per_group()
+    ids = [await register(index, rid) for rid in names]
+    ch = chain_of(2, 6)
+    await index.resync(ids[0], 1, ch[:3], seq=0)
+    await index.predict(ch, ids[2], from_block=0)
+    assert depths(await index.lookup(ch)) == {names[0]: (3, 3), names[2]: (0, 6)}
+    predicted = [k for k in tag_keys(redis_server.url, index.model, 2) if b"}q" in k]
+    assert len(predicted) == 6  # written under the predicted worker's group only
+    assert not [k for g in (0, 1) for k in tag_keys(redis_server.url, index.model, g)
+                if b"}q" in k]
+    await index.deregister(ids[0])
+    assert depths(await index.lookup(ch)) == {names[2]: (0, 6)}
+    assert {w.replica_id for w in await index.live_workers()} == set(names[1:])
+    assert await index.gc() == 0  # deregister removed its entries at once
+    with pytest.raises(ValueError, match="names no group"):
+        await index.heartbeat(SHARDS * GROUP_SPAN + 1, 1, WorkerLoad())
+
+
+def test_groups_are_stable_and_spread() -> None:
+    groups = [group_of(f"replica-{i}", 4) for i in range(400)]
+    assert groups == [group_of(f"replica-{i}", 4) for i in range(400)]
+    assert all(60 < groups.count(g) < 140 for g in range(4))
+    assert len({key_tag(group_name("m", g)) for g in range(4)}) == 4  # a key prefix each
