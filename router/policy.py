@@ -39,9 +39,10 @@ Here each request compares only the costs it would see, so:
 * an overloaded worker only loses the requests it would serve slowly.
 
 Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then to the worker
-least busy lately (``WorkerLoad.busy_share``: at low load every idle worker ties, and sending each
-new prefix to the one that has worked least keeps sticky conversations from piling up on a few),
-then by rendezvous hashing of ``tie_key`` with the worker key. Both come from the workers'
+least busy lately among those with nothing waiting (``WorkerLoad.busy_share``: at low load every
+idle worker ties, and sending each new prefix to the one that has worked least keeps sticky
+conversations from piling up on a few; where work waits, the queues decide), then by
+rendezvous hashing of ``tie_key`` with the worker key. Both come from the workers'
 reports or the request, so every router process breaks a tie the same way. The caller picks the
 key (``router.router_state.tie_key``: the first block no worker holds).
 """
@@ -166,6 +167,15 @@ def rendezvous(tie_key: bytes, worker_key: str) -> int:
     return int.from_bytes(digest, "big")
 
 
+def idle_busy_share(view: WorkerView) -> float:
+    """The worker's busy share when nothing waits there (1.0 otherwise): it orders ties
+    between workers with room, and not between saturated ones, where the queues decide."""
+    load = view.load
+    if load is None or load.num_waiting or load.queued_prefill_tokens or view.pending_requests:
+        return 1.0
+    return load.busy_share
+
+
 def rank(
     num_prompt_tokens: int,
     workers: Sequence[WorkerView],
@@ -180,7 +190,7 @@ def rank(
     if not scores:
         return []
     best = min(s.cost_s for s in scores)
-    busy = {w.key: w.load.busy_share if w.load else 0.0 for w in workers}
+    busy = {w.key: idle_busy_share(w) for w in workers}
 
     def order(s: Score) -> tuple[bool, float, int, float, int]:
         tied = s.cost_s <= best + config.tie_tolerance_s

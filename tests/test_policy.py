@@ -210,6 +210,24 @@ def test_ties_go_to_the_least_busy_worker_then_the_hash() -> None:
     assert choice(queued, key=key) == "b"
 
 
+@pytest.mark.parametrize("backlog", [
+    {"load": WorkerLoad(busy_share=0.2, num_waiting=1)},
+    {"load": WorkerLoad(busy_share=0.2, queued_prefill_tokens=1)},
+    {"load": WorkerLoad(busy_share=0.2), "pending_requests": 1},
+    {},  # no load known
+])
+def test_busy_share_orders_only_ties_between_workers_with_nothing_waiting(backlog) -> None:
+    # Where work waits, the queues decide (a saturated worker's share says nothing more):
+    # "b" counts as fully busy and the tie falls to the idle "a" although "a" worked more.
+    config = PolicyConfig(block_size=16, tie_tolerance_s=10.0)
+    workers = [WorkerView("a", load=WorkerLoad(busy_share=0.6)), WorkerView("b", **backlog)]
+    key = next(f"k{i}".encode() for i in range(100) if rendezvous(f"k{i}".encode(), "b") >
+               rendezvous(f"k{i}".encode(), "a"))
+    assert rank(PROMPT, workers, config, key)[0].key == "a"
+    idle = [workers[0], WorkerView("b", load=WorkerLoad(busy_share=0.2))]
+    assert rank(PROMPT, idle, config, key)[0].key == "b"
+
+
 def test_rank_rejects_empty_prompt_and_handles_no_workers() -> None:
     assert rank(10, [], CFG) == []
     with pytest.raises(ValueError):

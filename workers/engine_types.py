@@ -15,7 +15,9 @@ from router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
-BUSY_WINDOW_S = 1800.0  # the time constant of an engine's busy share
+# The time constant of an engine's busy share: long, since a conversation keeps its worker
+# busy for many minutes (docs/simulation.md: 2 and 10 minutes balanced the trace less).
+BUSY_WINDOW_S = 1800.0
 
 
 class EngineConfig(BaseModel):
