@@ -173,7 +173,7 @@ def idle_busy_share(view: WorkerView) -> float:
     load = view.load
     if load is None or load.num_waiting or load.queued_prefill_tokens or view.pending_requests:
         return 1.0
-    return load.busy_share
+    return min(load.busy_share, 1.0)
 
 
 def rank(

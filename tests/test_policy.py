@@ -226,6 +226,13 @@ def test_busy_share_orders_only_ties_between_workers_with_nothing_waiting(backlo
     assert rank(PROMPT, workers, config, key)[0].key == "a"
     idle = [workers[0], WorkerView("b", load=WorkerLoad(busy_share=0.2))]
     assert rank(PROMPT, idle, config, key)[0].key == "b"
+    # a waiting queue counts as fully busy, no more: against a fully busy idle worker (a share
+    # is at most 1, whatever a report says) the hash decides
+    full = [WorkerView("a", load=WorkerLoad(busy_share=3.0)), WorkerView("b", **backlog)]
+    assert rank(PROMPT, full, config, key)[0].key == "b"
+    other = next(f"k{i}".encode() for i in range(100) if rendezvous(f"k{i}".encode(), "a") >
+                 rendezvous(f"k{i}".encode(), "b"))
+    assert rank(PROMPT, full, config, other)[0].key == "a"
 
 
 def test_rank_rejects_empty_prompt_and_handles_no_workers() -> None:
