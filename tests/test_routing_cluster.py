@@ -106,14 +106,15 @@ async def live_replicas(url: str) -> list[str]:
         await index.close()
 
 
-def hash_favourite(tokens: list[int], fp: str, replicas: list[str]) -> str:
-    """The replica that the policy's tie-break (rendezvous on block 0) prefers at even load."""
+def tie_favourite(tokens: list[int], fp: str, shares: dict[str, float]) -> str:
+    """The replica that the policy's tie-break prefers between idle replicas: the least busy
+    lately, then rendezvous on block 0."""
     first = hash_chain(tokens[:BLOCK], BLOCK, namespace(fp))[0]
-    return max(replicas, key=lambda r: rendezvous(first, r))
+    return min(shares, key=lambda r: (shares[r], -rendezvous(first, r)))
 
 
 def seed_against_the_hash(handle, url: str, seed: int) -> tuple[list[int], str, str]:
-    """Cache a prefix on the replica the hash tie-break does NOT prefer.
+    """Cache a prefix on the replica the tie-break (busy share, then hash) does NOT prefer.
 
     A long cold prompt is sent to the favoured replica first; while it is prefilling, the
     router's own unreported-work accounting pushes the prefix to the other one. Later
@@ -124,12 +125,13 @@ def seed_against_the_hash(handle, url: str, seed: int) -> tuple[list[int], str, 
     fp = stats(handle, replicas[0])["fingerprint"]
     tried = []
     for attempt in range(3):
+        shares = {r: stats(handle, r)["busy_share"] for r in replicas}
         p = prefix(1000 * seed + attempt)
-        favoured = hash_favourite(p, fp, replicas)
+        favoured = tie_favourite(p, fp, shares)
         blocker = next(
             b for b in (prefix(10**6 + 1000 * seed + 100 * attempt + i, blocks=120)
                         for i in range(100))
-            if hash_favourite(b, fp, replicas) == favoured
+            if tie_favourite(b, fp, shares) == favoured
         )
         busy = handle.options(stream=True).generate.remote(request(blocker, max_tokens=1))
         time.sleep(0.05)  # routed, and still prefilling its 1920 tokens
