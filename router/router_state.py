@@ -228,7 +228,7 @@ class RouterState:
         self.contexts: dict[int, RequestContext] = {}
         self.routed: dict[int, Routed] = {}
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
-        self.worker_ids: dict[str, int] = {}  # replica -> index worker id
+        self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
 
     # -------------------------------------------------------------------------- requests
 
@@ -407,11 +407,9 @@ class RouterState:
         self.index_down_until = now + self.settings.failopen_backoff_s
 
     def looked_up(self, result: LookupResult) -> None:
-        """Learn every live worker's id (not only the matched ones'): a prefix no worker holds
+        """Take every live worker's id (not only the matched ones'): a prefix no worker holds
         yet must still be announced as predicted on the worker it is sent to."""
-        self.worker_ids.update(result.worker_ids)
-        for key, match in result.matches.items():
-            self.worker_ids[key] = match.worker_id
+        self.worker_ids = result.worker_ids
 
     # --------------------------------------------------------------------- compatibility
 

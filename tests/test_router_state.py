@@ -41,7 +41,8 @@ def compatible_state(**kw) -> RouterState:
 
 def lookup(**depths: int) -> LookupResult:
     ids = {"a": 1, "b": 2, "c": 3}
-    return LookupResult({k: WorkerMatch(ids[k], k, d, d, None) for k, d in depths.items()})
+    return LookupResult({k: WorkerMatch(ids[k], k, d, d, None) for k, d in depths.items()},
+                        worker_ids={k: ids[k] for k in depths})
 
 
 def test_common_blocks() -> None:
