@@ -173,6 +173,7 @@ class Simulator:
         heartbeat_s: float = 1.0,
         seed: int = 0,
         weights: PolicyConfig | None = None,
+        max_match_tokens: int | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -189,7 +190,8 @@ class Simulator:
         self.state = RouterState(RouterSettings(
             model="sim", block_size=engine_config.block_size,
             fingerprint=self.workers[0].engine.model_fingerprint,
-            weights=weights or PolicyConfig()))
+            weights=weights or PolicyConfig(),
+            **({} if max_match_tokens is None else {"max_match_tokens": max_match_tokens})))
         self.tree = PrefixTree()  # ray_prefix's
         self.tree.add_tenants([w.name for w in self.workers], 0.0)
         self._heap: list[tuple[float, int, str, object]] = []
@@ -435,7 +437,8 @@ async def simulate(
     **options: Any,
 ) -> RunResult:
     """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given;
-    ``options`` are :class:`Simulator`'s keywords (publish lag, heartbeat, seed, weights)."""
+    ``options`` are :class:`Simulator`'s keywords (publish lag, heartbeat, seed, weights,
+    max_match_tokens)."""
     reqs = fresh(requests)
     index = None
     if policy == "prefix":
@@ -524,7 +527,8 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
                 result = await simulate(requests, profile, n, policy, config, redis_url,
                                         publish_lag_s=args.publish_lag_ms / 1000,
                                         heartbeat_s=args.heartbeat_s, seed=args.seed,
-                                        ceiling=ceiling, weights=weights)
+                                        ceiling=ceiling, weights=weights,
+                                        max_match_tokens=args.max_match_tokens)
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -564,6 +568,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
                         type=parse_weight,
                         help="a prefix-policy weight (router.policy.PolicyConfig), repeatable")
+    parser.add_argument("--max-match-tokens", type=int, default=None,
+                        help="the router's max_match_tokens (default: RouterSettings')")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

@@ -17,7 +17,7 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
 unmeasured worker is assumed as fast as the measured mean). The second is this request's own
-prefill, counted ``uncached_weight`` (default 4) times: for its TTFT, for the compute it takes
+prefill, counted ``uncached_weight`` (default 6) times: for its TTFT, for the compute it takes
 from the worker, and for the copy it adds to the cluster's caches (a prefix computed on a
 second worker holds memory twice). It uses the mean measured rate of all workers, so
 measurement noise between identical GPUs never decides a route at even load. The third is
@@ -73,7 +73,7 @@ class PolicyConfig:
     default_decode_tokens_per_s: float = _weight(
         1000.0, "Decode rate assumed until some worker has measured one")
     uncached_weight: float = _weight(
-        4.0, "Cost of an uncached prompt token, in prefill token-times: this request's TTFT, "
+        6.0, "Cost of an uncached prompt token, in prefill token-times: this request's TTFT, "
         "the worker's compute, and the duplicate it makes in the cluster's caches")
     decode_weight: float = _weight(
         0.5, "Cost of one more decoding sequence, in token-times (decode is batched)")

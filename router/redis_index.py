@@ -91,7 +91,7 @@ _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
 INDEX_KEY_BYTES = 8  # of a digest, in the block hash and reverse indexes (lua/_key.lua)
-_DEPTHS = struct.Struct(">HII")  # lookup reply per matched worker: id, confirmed, predicted
+_RIDE = struct.Struct(">HI")  # lookup reply per rider: id, predicted depth
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
 # the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
@@ -132,6 +132,35 @@ def tail_record(chain: Sequence[bytes], from_block: int, start: int) -> bytes:
 def _code(worker_id: int) -> bytes:
     """A worker id as the scripts store it in block values and the live set: 2 bytes, BE."""
     return worker_id.to_bytes(2, "big")
+
+
+def _ids(packed: bytes) -> set[int]:
+    return {int.from_bytes(packed[k : k + 2], "big") for k in range(0, len(packed) - 1, 2)}
+
+
+def match_depths(
+    live: bytes, changes: Sequence[int | bytes], rides: bytes, walked: int
+) -> dict[int, tuple[int, int]]:
+    """Each live worker's (confirmed, predicted) depth from a lookup's reply: the holders at
+    every change along the walk (a worker's confirmed depth ends where it leaves them, so a
+    block held by every worker costs one string, not a depth each) and the riders' predicted
+    depths. Workers that matched neither are left out."""
+    live_ids = _ids(live)
+    alive = live_ids
+    confirmed: dict[int, int] = {}
+    for k in range(0, len(changes) - 1, 2):
+        start, holders = int(changes[k]), _ids(bytes(changes[k + 1]))
+        for wid in alive - holders:
+            if k:
+                confirmed[wid] = start - 1
+        alive = alive & holders
+    confirmed.update(dict.fromkeys(alive, walked))
+    depths = {wid: (d, d) for wid, d in confirmed.items()}
+    for wid, d in _RIDE.iter_unpack(rides):
+        if wid in live_ids:
+            c = confirmed.get(wid, 0)
+            depths[wid] = (c, max(c, d))
+    return {wid: d for wid, d in depths.items() if d[1] > 0}
 
 
 class RedisPrefixIndex:
@@ -308,8 +337,9 @@ class RedisPrefixIndex:
         which Redis sends only the loads changed since this client's last lookup."""
         keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails, self._k_lz]
         args = [self._prefix, pack_digests(chain), self._lv]
-        rv, recs, lv, changed, everything, walked = await self._eval("lookup", keys, args)
-        depth = {wid: (c, p) for wid, c, p in _DEPTHS.iter_unpack(recs)}
+        rv, live, segs, rides, lv, changed, everything, walked = await self._eval(
+            "lookup", keys, args)
+        depth = match_depths(live, segs, rides, walked)
         if rv != self._rv or any(wid not in self._workers for wid in depth):
             await self.live_workers()
         self._lv = lv

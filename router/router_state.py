@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.blocks import DEFAULT_BLOCK_SIZE, hash_chain, namespace
+from router.blocks import DEFAULT_BLOCK_SIZE, ChainMemo, namespace
 from router.events import WorkerLoad
 from router.index import IndexSettings, LookupResult, WorkerInfo, WorkerMatch
 from router.policy import PolicyConfig, Score, WorkerView, rank
@@ -187,9 +187,12 @@ class RouterSettings(BaseModel):
         10.0, gt=0.0, description="How long a call for one named worker waits for that replica "
         "to appear")
     max_match_tokens: int = Field(
-        16384, ge=1, description="Routing matches at most this many leading prompt tokens "
-        "(hashing, index lookup and predictions grow with it; past it every worker counts as "
-        "uncached)")
+        131072, ge=1, description="Routing matches at most this many leading prompt tokens "
+        "(past it every worker counts as uncached)")
+    hash_memo_tokens: int = Field(
+        2_097_152, ge=0, description="Prompt tokens whose block digests a router remembers (two "
+        "generations of this many), so a prompt that starts like a recent one (a chat's next "
+        "turn, a shared system prompt) hashes only what is new; 0 turns it off")
     weights: PolicyConfig = Field(
         default_factory=PolicyConfig, description="The routing cost model (router.policy)")
     model: str = Field("", description="Served model name: the index keyspace",
@@ -229,6 +232,8 @@ class RouterState:
         self.routed: dict[int, Routed] = {}
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
+        run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
+        self.memo = ChainMemo(settings.block_size, settings.hash_memo_tokens // run_tokens)
 
     # -------------------------------------------------------------------------- requests
 
@@ -242,8 +247,8 @@ class RouterState:
         block_size = self.settings.block_size
         chain: list[bytes] = []
         if self.settings.prefix_routing and self.fingerprint is not None:
-            chain = hash_chain(tokens[: self.settings.max_match_tokens], block_size,
-                               namespace(self.fingerprint, cache_salt))
+            chain = self.memo.chain(tokens[: self.settings.max_match_tokens],
+                                    namespace(self.fingerprint, cache_salt))
         spread = b""  # a chain's tie key depends on the lookup (see tie_key())
         if not chain:  # shorter than a block (or no fingerprint yet): nothing cacheable, spread
             spread = hashlib.blake2b(

@@ -10,6 +10,7 @@ from router.blocks import (
     DEFAULT_BLOCK_SIZE,
     ROOT,
     BlockHasher,
+    ChainMemo,
     _u32,
     hash_block,
     hash_chain,
@@ -153,3 +154,64 @@ def test_block_hasher_defaults_and_bounds() -> None:
     for bad in (0, -1):
         with pytest.raises(ValueError, match=r"^block_size must be >= 1$"):
             BlockHasher(bad)
+
+
+RUN = ChainMemo.RUN_BLOCKS
+
+
+def test_chain_memo_equals_hashing_for_every_shape() -> None:
+    ns = namespace("fp", "salt")
+    memo = ChainMemo(2)
+    base = [(31 * i) % 997 for i in range(2 * RUN * 5 + 7)]
+    # shorter than a run, exactly runs, runs plus blocks plus a partial block, then extensions
+    # and divergences of the prompts before (hits of whole runs and of none)
+    for n in (0, 1, 2 * RUN - 1, 2 * RUN, 2 * RUN * 2, len(base)):
+        assert memo.chain(base[:n], ns) == ref_chain(base[:n], 2, ns)
+    longer = base + [5, 6, 7] * 40
+    assert memo.chain(longer, ns) == ref_chain(longer, 2, ns)
+    forked = base[: 2 * RUN * 3 + 1] + [999] + base[2 * RUN * 3 + 2 :]
+    assert memo.chain(forked, ns) == ref_chain(forked, 2, ns)
+    assert memo.chain(base, b"") == ref_chain(base, 2, b"")
+
+
+def test_chain_memo_reuses_whole_runs_it_hashed_before() -> None:
+    ns = namespace("fp")
+    memo = ChainMemo(2)
+    first = list(range(2 * RUN * 3 + 2 * 5 + 1))  # three runs, five blocks, one token
+    memo.chain(first, ns)
+    assert memo.hit_blocks == 0
+    memo.chain(first + list(range(500, 600)), ns)
+    assert memo.hit_blocks == 3 * RUN  # the three runs; the five blocks were no whole run
+    memo.chain(first[: 2 * RUN * 2 + 3], ns)
+    assert memo.hit_blocks == 5 * RUN
+    changed = first.copy()
+    changed[2 * RUN + 1] = 12345  # the second run differs: only the first is reused
+    assert memo.chain(changed, ns) == ref_chain(changed, 2, ns)
+    assert memo.hit_blocks == 6 * RUN
+    memo.chain(first, namespace("other"))  # another namespace shares nothing
+    assert memo.hit_blocks == 6 * RUN
+
+
+def test_chain_memo_keeps_two_generations() -> None:
+    memo = ChainMemo(1, max_runs=1)
+    a, b, c = ([k] * RUN for k in (1, 2, 3))  # one run each
+    memo.chain(a)
+    memo.chain(b)  # a moves to the old generation
+    memo.chain(a)  # a hit in the old one: back to the young one, b to the old
+    assert memo.hit_blocks == RUN
+    memo.chain(c)  # the young one (a) turns old; b is dropped
+    memo.chain(b)
+    assert memo.hit_blocks == RUN
+    memo.chain(c)
+    assert memo.hit_blocks == 2 * RUN  # c was old, b young again: both still held
+    off = ChainMemo(1, max_runs=0)
+    assert off.chain(a) == off.chain(a) == ref_chain(a, 1)
+    assert off.hit_blocks == 0
+
+
+def test_chain_memo_bounds() -> None:
+    memo = ChainMemo()
+    assert memo.block_size == DEFAULT_BLOCK_SIZE and memo.max_runs == 16384
+    for bad in ({"block_size": 0}, {"max_runs": -1}):
+        with pytest.raises(ValueError, match=r"^block_size must be >= 1 and max_runs >= 0$"):
+            ChainMemo(**bad)

@@ -34,6 +34,7 @@ from router.redis_index import (
     INDEX_KEY_BYTES,
     RedisPrefixIndex,
     key_tag,
+    match_depths,
     tail_record,
 )
 from router.redis_scripts import SCRIPTS, source
@@ -110,6 +111,44 @@ async def test_three_workers_exact_depths_and_early_stop(index: RedisPrefixIndex
     assert depths(await index.lookup([])) == {}
 
 
+def ids(*wids: int) -> bytes:
+    return b"".join(w.to_bytes(2, "big") for w in wids)
+
+
+def test_match_depths_from_the_changes_of_holders() -> None:
+    changes = [1, ids(1, 2, 3, 4, 9), 5, ids(2, 1, 3), 7, ids(1, 3, 4), 9, b""]
+    rides = ids(3) + (12).to_bytes(4, "big") + ids(5) + (2).to_bytes(4, "big")
+    rides += ids(8) + (4).to_bytes(4, "big")
+    # 9 holds block 1 but its lease lapsed (not live); 4 is back at block 7 after a hole;
+    # 3 rides a prediction past its confirmed blocks; 5 rides from block 1; 8 is not live
+    got = match_depths(ids(1, 2, 3, 4, 5), changes, rides, walked=9)
+    assert got == {1: (8, 8), 2: (6, 6), 3: (8, 12), 4: (4, 4), 5: (0, 2)}
+    # a walk that reached the chain's end: who is left holds all of it
+    assert match_depths(ids(1, 2), [1, ids(1, 2), 3, ids(2)], b"", walked=40) == {
+        1: (2, 2), 2: (40, 40)}
+    assert match_depths(ids(1), [1, b""], ids(1) + (0).to_bytes(4, "big"), walked=1) == {}
+    assert match_depths(b"", [], b"", walked=0) == {}
+
+
+@pytest.mark.cluster
+async def test_a_block_every_worker_holds_is_one_change(
+    index: RedisPrefixIndex, redis_server: LocalRedis
+) -> None:
+    ch = chain_of(26, 40)
+    wids = [await register(index, f"S{i}") for i in range(50)]
+    for k, wid in enumerate(wids):  # all hold 30 blocks; each a block more than the one before
+        assert await index.apply(stored(wid, 1, ch[: 30 + k // 5])) is ResultCode.OK
+    assert depths(await index.lookup(ch)) == {
+        f"S{k}": (30 + k // 5, 30 + k // 5) for k in range(50)}
+    raw = redis.Redis.from_url(redis_server.url)
+    keys = ("live", "load", "rv", "lv", "T", "lz")
+    reply = raw.evalsha(index._scripts["lookup"].sha, 6, *("{" + index.tag + "}" + k for k in keys),
+                        "{" + index.tag + "}", b"".join(ch), b"")
+    # the 30 blocks all hold are one change; then one per block as holders leave, then nobody
+    assert reply[2][::2] == [1, *range(31, 41)]
+    assert reply[2][1] == ids(*wids) and reply[2][-1] == b""
+
+
 @pytest.mark.cluster
 async def test_deep_walk_across_chunk_boundaries(index: RedisPrefixIndex) -> None:
     ch = chain_of(22, 200)
@@ -121,6 +160,38 @@ async def test_deep_walk_across_chunk_boundaries(index: RedisPrefixIndex) -> Non
     assert depths(result) == {rid: (n, n) for rid, n in holds.items()}
     assert result.blocks_walked == 200
     assert depths(await index.lookup(ch[:50])) == {r: (min(n, 50),) * 2 for r, n in holds.items()}
+
+
+def hash_reads(url: str) -> int:
+    """HGET and HMGET calls the server has run (scripts' calls count too)."""
+    stats = redis.Redis.from_url(url).info("commandstats")
+    return sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("hget", "hmget"))
+
+
+@pytest.mark.cluster
+async def test_long_runs_of_the_same_holders_are_galloped_exactly(
+    index: RedisPrefixIndex, redis_server: LocalRedis
+) -> None:
+    ch = chain_of(23, 3000)
+    # depths around the gallop's steps and the binary search's midpoints
+    holds = {"A": 3000, "B": 2500, "C": 1025, "D": 1024, "E": 1023, "F": 130, "G": 57}
+    for rid, n in holds.items():
+        wid = await register(index, rid)
+        assert await index.apply(stored(wid, 1, ch[:n])) is ResultCode.OK
+    result = await index.lookup(ch)
+    assert depths(result) == {rid: (n, n) for rid, n in holds.items()}
+    assert result.blocks_walked == 3000
+    assert depths(await index.lookup(ch[:1024])) == {r: (min(n, 1024),) * 2
+                                                     for r, n in holds.items()}
+    assert depths(await index.lookup(ch[:2499] + chain_of(24, 9))) == {
+        r: (min(n, 2499),) * 2 for r, n in holds.items()}
+    long = chain_of(25, 4000)
+    assert await index.apply(stored(1, 2, long)) is ResultCode.OK
+    assert await index.apply(stored(2, 2, long[:2000])) is ResultCode.OK
+    before = hash_reads(redis_server.url)
+    assert depths(await index.lookup(long)) == {"A": (4000, 4000), "B": (2000, 2000)}
+    # block by block, in 64-block chunks, that would be 65 reads
+    assert hash_reads(redis_server.url) - before < 35
 
 
 @pytest.mark.cluster
@@ -182,7 +253,7 @@ async def test_a_lookup_returns_only_the_loads_changed_since_the_last(
     def changed() -> list[bytes]:
         reply = raw.evalsha(sha, 6, *(prefix + k for k in ("live", "load", "rv", "lv", "T", "lz")),
                             prefix, b"".join(ch), lv)
-        return reply[3][::2]
+        return reply[5][::2]
 
     assert len(changed()) == 20  # a client without a version gets every load
     assert len((await index.lookup(ch)).loads) == 20

@@ -42,7 +42,7 @@ def test_weight_fields_carry_default_and_description() -> None:
     assert described["block_size"] is None
     defaults = PolicyConfig()
     assert (defaults.uncached_weight, defaults.eviction_weight, defaults.decode_weight) == (
-        4.0, 0.25, 0.5)
+        6.0, 0.25, 0.5)
     assert defaults.tie_tolerance_s == 0.001
 
 

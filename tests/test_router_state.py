@@ -112,9 +112,27 @@ def test_matching_stops_at_max_match_tokens() -> None:
     assert ctx.chain == A[:2] and ctx.num_prompt_tokens == 96  # the cost counts every token
     ranking = st.rank(1, ctx, ABC, lookup(a=2, b=0), now=0.0)
     assert ranking[0].key == "a" and ranking[0].uncached_tokens == 96 - 32
-    assert state().settings.max_match_tokens == 16384
+    assert state().settings.max_match_tokens == 131072
     with pytest.raises(ValueError):
         RouterSettings(max_match_tokens=0)
+
+
+def test_contexts_hash_through_the_memo() -> None:
+    st = state(block_size=4)
+    assert st.memo.max_runs == 2_097_152 // (4 * 16) and st.memo.block_size == 4
+    first = list(range(4 * 40))  # two runs of 16 blocks and 8 blocks more
+    assert st.context(1, first, None, now=0.0).chain == hash_chain(first, 4, NS)
+    nxt = first + [7] * 100  # a chat's next turn: the two runs are not hashed again
+    assert st.context(2, nxt, None, now=0.0).chain == hash_chain(nxt, 4, NS)
+    assert st.memo.hit_blocks == 32
+    salted = st.context(3, nxt, "tenant", now=0.0).chain  # another namespace: no reuse
+    assert salted == hash_chain(nxt, 4, namespace("fp", "tenant"))
+    assert st.memo.hit_blocks == 32
+    off = state(hash_memo_tokens=0)
+    assert off.memo.max_runs == 0
+    assert off.context(1, TOKENS_A, None, now=0.0).chain == A
+    with pytest.raises(ValueError):
+        RouterSettings(hash_memo_tokens=-1)
 
 
 def test_stale_contexts_are_dropped_once_there_are_many() -> None:

@@ -1,74 +1,104 @@
 -- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
 --   version ('' for none)
--- -> {rv, per live worker holding block 1: 2-byte id | u32 confirmed | u32 predicted, lv,
---     {2-byte id, load, ...} of the loads changed since the caller's version, 1 when that is
---     every load (the caller's version is unknown here), blocks walked}
--- Walks block by block and stops at the first block no live worker matched (confirmed or
--- predicted). Only the workers holding block 1 (confirmed, predicted, or by a tail) walk, and
--- only their leases are read, so a lookup costs what the chain's holders cost, not what the
--- fleet does. Blocks are read in HMGET chunks of 8, 16, 32, 64, 64, ... so it reads at most one
--- chunk past that block; predicted keys are read only where a worker still walking has no
--- confirmed entry (typically one chunk at the end of the walk). A worker that matched neither
--- may still ride a sampled tail of a long prediction (_tails.lua) up to its last sample that
--- matches the chain; while every walker rides one, the walk skips ahead.
+-- -> {rv, the live workers holding block 1 (confirmed, predicted or by a tail; 2-byte ids),
+--     {block, holders, block, holders, ...}: where the confirmed holders change along the walk,
+--     from block 1 ('' holders: nobody from there on), per rider 2-byte id | u32 predicted
+--     depth, lv, {2-byte id, load, ...} of the loads changed since the caller's version, 1 when
+--     that is every load (the caller's version is unknown here), blocks walked}
+-- The walk goes block by block from block 1 and returns each change of the confirmed holders
+-- once, not a depth per worker: the client derives each worker's consecutive depth from the
+-- changes, so a block every worker holds (a common system prompt) costs one string, however
+-- many hold it. A worker caches a block only after the ones before it and evicts a chain's tail
+-- first, so a block's holders hold every block before it: the same holders at two blocks are
+-- the holders of every block between, and past a chunk's worth of blocks with the same holders
+-- the walk gallops to the run's end (a few reads, however long the prompt). Blocks are read in
+-- HMGET chunks of 8, 16, 32, 64, 64, ...
+-- A live worker that leaves the confirmed holders (or never was one) while a predicted entry
+-- or a sampled tail of a long prediction (_tails.lua) still carries it becomes a rider: riders
+-- are walked one by one (confirmed, predicted or by a tail), and only they read predicted keys.
+-- While no holder is left and every rider rides a tail, the walk skips ahead.
 --#include _now.lua
 --#include _tails.lua
 --#include _key.lua
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
-local live, cand = {}, {}
-if #chain >= 16 then
-  local v = redis.call('HGET', bkey, string.sub(chain, 1, KEY))
-  if v then
-    for k = 1, #v, 2 do cand[string.sub(v, k, k + 1)] = true end
-  end
-  local q = redis.call('GET', pfx .. 'q' .. string.sub(chain, 1, 16))
-  if q then
-    for k = 1, #q, 15 do cand[string.sub(q, k, k + 1)] = true end
-  end
-  if redis.call('EXISTS', KEYS[5]) == 1 then  -- workers with a sampled tail (few, if any)
-    local holders = redis.pcall('HKEYS', KEYS[5])
-    if not holders.err then
-      for _, c in ipairs(holders) do cand[c] = true end
-    end
-  end
-end
-local ncand = 0
-for _ in pairs(cand) do ncand = ncand + 1 end
-if ncand > 32 then  -- a popular first block: one read of every lease beats a call per holder
-  for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
-    if cand[c] and #c == 2 then live[#live + 1] = c end
-  end
-else
-  for c in pairs(cand) do
-    if #c == 2 then  -- anything else is junk, not a worker
-      local lease = redis.call('ZSCORE', KEYS[1], c)
-      if lease and tonumber(lease) >= now then live[#live + 1] = c end
-    end
-  end
-end
 local nblocks = #chain / 16
-local dc, dp, ac, au = {}, {}, {}, {}
-local nu = #live
-for _, c in ipairs(live) do
-  ac[c] = true
-  au[c] = true
-end
-local mark, pmark, cover = {}, {}, {}  -- cover: the last block a tail carries a walker to
-local tails, parsed = nil, {}  -- worker -> its tails, read on the first need; parsed on use
 
--- the last block (from 1) of the chain that a tail of worker c carries it to from block j, or 0
-local function reach(c, j)
+local function field(j) return string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY) end
+
+-- is the 2-byte id c among the ids packed in v (at an even offset)?
+local function has(v, c)
+  if not v then return false end
+  local at = string.find(v, c, 1, true)
+  while at do
+    if at % 2 == 1 then return true end
+    at = string.find(v, c, at + 1, true)
+  end
+  return false
+end
+
+-- block j's holders, read in growing chunks; reset() starts a new chunk at the next read
+local vb, vbase, vlen, chunk = nil, 0, 0, 8
+local function holders(j)
+  if not vb or j <= vbase or j > vbase + vlen then
+    local last = math.min(nblocks, j + chunk - 1)
+    local fields = {}
+    for jj = j, last do fields[#fields + 1] = field(jj) end
+    vb, vbase, vlen = redis.call('HMGET', bkey, unpack(fields)), j - 1, last - j + 1
+    chunk = math.min(chunk * 2, 64)
+  end
+  return vb[j - vbase]
+end
+local function reset()
+  vb, chunk = nil, 8
+end
+local function probe(j)
+  return redis.call('HGET', bkey, field(j))
+end
+
+-- the live workers with an unexpired predicted entry at block j: id -> true (64 keys a read)
+local vq, qbase, qlen, qparsed = nil, 0, 0, {}
+local function predicted_at(j)
+  if not vq or j <= qbase or j > qbase + qlen then
+    local last = math.min(nblocks, j + 63)
+    local qkeys = {}
+    for jj = j, last do  -- predicted keys carry the whole digest
+      qkeys[#qkeys + 1] = pfx .. 'q' .. string.sub(chain, (jj - 1) * 16 + 1, jj * 16)
+    end
+    vq, qbase, qlen, qparsed = redis.call('MGET', unpack(qkeys)), j - 1, last - j + 1, {}
+  end
+  local got = qparsed[j]
+  if not got then
+    got = {}
+    local q = vq[j - qbase]
+    if q then
+      for k = 1, #q, 15 do
+        local e = tonumber(string.sub(q, k + 2, k + 14))
+        if e and e > now then got[string.sub(q, k, k + 1)] = true end
+      end
+    end
+    qparsed[j] = got
+  end
+  return got
+end
+
+local tails, parsed = nil, {}  -- worker -> its tails, read on the first need
+local function all_tails()
   if not tails then
     tails = {}
     if redis.call('EXISTS', KEYS[5]) == 1 then  -- usually not: no long prompt routed lately
-      local vals = redis.pcall('HMGET', KEYS[5], unpack(live))
-      if not vals.err then
-        for k, w in ipairs(live) do tails[w] = vals[k] end
+      local all = redis.pcall('HGETALL', KEYS[5])
+      if not all.err then
+        for k = 1, #all - 1, 2 do tails[all[k]] = all[k + 1] end
       end
     end
   end
-  local v, best = tails[c], 0
+  return tails
+end
+
+-- the last block (from 1) of the chain that a tail of worker c carries it to from block j, or 0
+local function reach(c, j)
+  local v, best = all_tails()[c], 0
   if not v then return 0 end
   parsed[c] = parsed[c] or parse_tails(v)
   for _, t in ipairs(parsed[c]) do
@@ -89,98 +119,107 @@ local function reach(c, j)
   return best
 end
 
-local walked, i, chunk = math.min(nblocks, 1), 0, 8
-local prev, clean = nil, false  -- last block's value; clean: every walker was confirmed there
-while nu > 0 and i < nblocks do
-  local last = math.min(nblocks, i + chunk)
-  local fields = {}  -- the block-hash keys: each digest's first KEY bytes
-  for j = i + 1, last do
-    fields[#fields + 1] = string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY)
+-- candidates: the workers holding block 1, confirmed, predicted or by a tail; then the live ones
+local live, islive, cand = {}, {}, {}
+if nblocks >= 1 then
+  local v = holders(1)
+  if v then
+    for k = 1, #v, 2 do cand[string.sub(v, k, k + 1)] = true end
   end
-  local vb = redis.call('HMGET', bkey, unpack(fields))
-  local vq, qbase = nil, 0
-  local skip = nil
-  for j = i + 1, last do
-    walked = j
-    local v = vb[j - i]
-    -- Fast path: the same holders as the last block, where every walker was confirmed, so
-    -- every walker goes on. A worker's depth is only written when it drops out.
-    if not (clean and v == prev) then
-      if v then
-        for k = 1, #v, 2 do mark[string.sub(v, k, k + 1)] = j end
-      end
-      -- predicted entries matter only for a walker without a confirmed entry or a tail here
-      local need, confirmed = false, true
-      for c in pairs(au) do
-        if mark[c] ~= j then
-          confirmed = false
-          if (cover[c] or 0) < j then
-            need = true
-            break
-          end
-        end
-      end
-      if need then
-        if not vq then
-          local qkeys = {}
-          for jj = j, last do  -- predicted keys carry the whole digest
-            qkeys[#qkeys + 1] = pfx .. 'q' .. string.sub(chain, (jj - 1) * 16 + 1, jj * 16)
-          end
-          vq, qbase = redis.call('MGET', unpack(qkeys)), j - 1
-        end
-        local q = vq[j - qbase]
-        if q then
-          for k = 1, #q, 15 do
-            local e = tonumber(string.sub(q, k + 2, k + 14))
-            if e and e > now then
-              pmark[string.sub(q, k, k + 1)] = j
-            end
-          end
-        end
-      end
-      for c in pairs(au) do
-        if mark[c] ~= j and pmark[c] ~= j and (cover[c] or 0) < j then
-          local r = reach(c, j)
-          if r >= j then
-            cover[c] = r
-          else
-            au[c] = nil
-            nu = nu - 1
-            if j > 1 then dp[c] = j - 1 end
-          end
-        end
-      end
-      for c in pairs(ac) do
-        if mark[c] ~= j then
-          ac[c] = nil
-          if j > 1 then dc[c] = j - 1 end
-        end
-      end
-      prev, clean = v, confirmed
-      -- no confirmed walk left and every walker rides a tail past here: skip to its end
-      if nu > 0 and next(ac) == nil then
-        local low = nblocks
-        for c in pairs(au) do low = math.min(low, cover[c] or 0) end
-        if low > j then
-          skip = low
-          break
-        end
-      end
+  local q = redis.call('GET', pfx .. 'q' .. string.sub(chain, 1, 16))
+  if q then
+    for k = 1, #q, 15 do cand[string.sub(q, k, k + 1)] = true end
+  end
+  for c in pairs(all_tails()) do cand[c] = true end  -- workers with a sampled tail (few, if any)
+end
+local ncand = 0
+for _ in pairs(cand) do ncand = ncand + 1 end
+if ncand > 32 then  -- a popular first block: one read of every lease beats a call per holder
+  for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
+    if cand[c] and #c == 2 then live[#live + 1], islive[c] = c, true end
+  end
+else
+  for c in pairs(cand) do
+    if #c == 2 then  -- anything else is junk, not a worker
+      local lease = redis.call('ZSCORE', KEYS[1], c)
+      if lease and tonumber(lease) >= now then live[#live + 1], islive[c] = c, true end
     end
-    if nu == 0 then break end
-  end
-  if skip then
-    walked, i, chunk = skip, skip, 8
-    prev, clean = nil, false
-  else
-    i = last
-    chunk = math.min(chunk * 2, 64)
   end
 end
-for c in pairs(au) do dp[c] = walked end
-for c in pairs(ac) do dc[c] = walked end
+
+local segs, riders, nr, dp, cover = {}, {}, 0, {}, {}
+-- a live worker out of the confirmed holders at block j rides on if a prediction or tail does
+local function board(c, j)
+  if riders[c] then return end
+  local r = 0
+  if not predicted_at(j)[c] then
+    r = reach(c, j)
+    if r < j then return end
+  end
+  riders[c], nr, cover[c] = true, nr + 1, r
+end
+
+local walked, j = math.min(nblocks, 1), 1
+local conf, prev, since = true, nil, 1  -- conf: the confirmed walk goes on
+while #live > 0 and j <= nblocks do
+  local v = holders(j)
+  walked = j
+  if conf and (j == 1 or v ~= prev) then
+    segs[#segs + 1] = j
+    segs[#segs + 1] = v or ''
+    -- who leaves the confirmed holders here may still ride: only predicted or tail holders can
+    local maybe = {}
+    for c in pairs(predicted_at(j)) do maybe[c] = true end
+    for c in pairs(all_tails()) do maybe[c] = true end
+    for c in pairs(maybe) do
+      if islive[c] and (j == 1 or has(prev, c)) and not has(v, c) then board(c, j) end
+    end
+    conf, prev, since = v and true or false, v, j
+  end
+  for c in pairs(riders) do
+    if cover[c] < j and not has(v, c) and not predicted_at(j)[c] then
+      local r = reach(c, j)
+      if r >= j then
+        cover[c] = r
+      else
+        riders[c], nr = nil, nr - 1
+        if j > 1 then dp[c] = j - 1 end
+      end
+    end
+  end
+  if not conf and nr == 0 then break end
+  local nxt = j + 1
+  if not conf then  -- every rider rides a tail past here: skip to the nearest end
+    local low = nblocks
+    for c in pairs(riders) do low = math.min(low, cover[c]) end
+    if low > j then
+      nxt = low + 1
+      walked = low
+      reset()
+    end
+  elseif nr == 0 and j - since >= 8 and j < nblocks and j == vbase + vlen then
+    -- a long run of the same holders and nobody riding: gallop to its end
+    local lo, hi, step = j, nil, chunk
+    while lo < nblocks do
+      local p = math.min(nblocks, lo + step)
+      if probe(p) ~= prev then
+        hi = p
+        break
+      end
+      lo, step = p, step * 2
+    end
+    while hi and hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      if probe(mid) == prev then lo = mid else hi = mid end
+    end
+    nxt, walked = lo + 1, lo
+    reset()
+  end
+  j = nxt
+end
+for c in pairs(riders) do dp[c] = walked end
 local recs = {}
-for c, d in pairs(dp) do recs[#recs + 1] = c .. struct.pack('>I4I4', dc[c] or 0, d) end
+for c, d in pairs(dp) do recs[#recs + 1] = c .. struct.pack('>I4', d) end
 local lv = redis.call('GET', KEYS[4]) or '0'
 local mine, all = tonumber(ARGV[3]), 0
 local changed = {}
@@ -196,4 +235,5 @@ elseif mine < tonumber(lv) then
     end
   end
 end
-return {redis.call('GET', KEYS[3]) or '0', table.concat(recs), lv, changed, all, walked}
+return {redis.call('GET', KEYS[3]) or '0', table.concat(live), segs, table.concat(recs), lv,
+        changed, all, walked}
