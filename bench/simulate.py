@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import heapq
 import itertools
 import json
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,14 @@ from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import EventBatch, KVEvent
-from router.index import IndexSettings, IndexUnavailable, PrefixIndex, ResultCode, open_index
+from router.index import (
+    IndexSettings,
+    IndexUnavailable,
+    LookupResult,
+    PrefixIndex,
+    ResultCode,
+    open_index,
+)
 from router.policy import PolicyConfig
 from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState
@@ -67,6 +75,7 @@ POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
 IDLE_HEARTBEAT_S = 5.0  # an idle worker's report interval (the replica's is lease / 3)
+GC_EVERY_EVENTS = 2000  # young generations collected this often (every 100th: all of them)
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
 WEIGHT_NAMES = {f.name for f in fields(PolicyConfig) if not f.metadata.get("internal")}
 # Arrivals come this long after the loads reported at registration (time 0), so the router counts
@@ -173,7 +182,7 @@ class Simulator:
         heartbeat_s: float = 1.0,
         seed: int = 0,
         weights: PolicyConfig | None = None,
-        max_match_tokens: int | None = None,
+        router: Mapping[str, Any] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
@@ -191,7 +200,7 @@ class Simulator:
             model="sim", block_size=engine_config.block_size,
             fingerprint=self.workers[0].engine.model_fingerprint,
             weights=weights or PolicyConfig(),
-            **({} if max_match_tokens is None else {"max_match_tokens": max_match_tokens})))
+            **(router or {})))
         self.tree = PrefixTree()  # ray_prefix's
         self.tree.add_tenants([w.name for w in self.workers], 0.0)
         self._heap: list[tuple[float, int, str, object]] = []
@@ -293,23 +302,30 @@ class Simulator:
         assert self.index is not None
         state = self.state
         ctx = state.context(req.key, req.tokens, None, now)
-        result = None
-        if state.lookup_blocked(now) is None:
-            start = time.perf_counter()
-            try:
-                result = await asyncio.wait_for(self.index.lookup(ctx.chain),
-                                                4 * INDEX_DEADLINE_S)
-                self.lookup_s.append(time.perf_counter() - start)
-                state.looked_up(result)
-            except Exception:  # fail open, as the request router does
-                self.lookups_failed += 1
-                state.lookup_failed(now)
+        result = await self._lookup(ctx.chain, now)
+        while state.extend(ctx, result, now):  # someone may hold more than was hashed
+            if result is not None:
+                result = await self._lookup(ctx.chain, now)
         candidates = [Candidate(w.name, queue_len=w.ongoing) for w in self.workers]
         ranking = state.rank(req.key, ctx, candidates, result, now)
         best = ranking[0].key
         state.note_routed(req.key, best, ctx, str(req.key), now)
-        state.sent(req.key, best, str(req.key), now)
         return self.by_name[best]
+
+    async def _lookup(self, chain: list[bytes], now: float) -> LookupResult | None:
+        assert self.index is not None
+        if self.state.lookup_blocked(now) is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(self.index.lookup(chain), 4 * INDEX_DEADLINE_S)
+        except Exception:  # fail open, as the request router does
+            self.lookups_failed += 1
+            self.state.lookup_failed(now)
+            return None
+        self.lookup_s.append(time.perf_counter() - start)
+        self.state.looked_up(result)
+        return result
 
     # ------------------------------------------------------------------ the event loop
 
@@ -321,9 +337,26 @@ class Simulator:
         for req in requests:
             req.arrival_s += ARRIVAL_LAG_S
             self._push(req.arrival_s, "arrival", req)
-        now = 0.0
         pending = len(requests)
+        # The simulated fleet allocates far more than a router does, and the collector's pauses
+        # it triggers would land inside the routing decisions timed here: collect between
+        # events instead (the fleet's setup frozen, out of every pass).
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        try:
+            await self._replay(pending)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+        return self._now
+
+    async def _replay(self, pending: int) -> None:
+        events = 0
         while self._heap and (pending or any(w.stepping for w in self.workers)):
+            events += 1
+            if events % GC_EVERY_EVENTS == 0:
+                gc.collect(1 if events % (100 * GC_EVERY_EVENTS) else 2)
             now, _, kind, payload = heapq.heappop(self._heap)
             self._now = now
             if kind == "arrival":
@@ -340,10 +373,11 @@ class Simulator:
                 for w in self.workers:
                     await self._heartbeat(w, now)
                 self._push(now + self.heartbeat_s, "heartbeat", None)
-        return now
 
     async def _arrive(self, req: SimRequest, now: float) -> None:
         worker = await self._route(req, now)
+        if self.policy == "prefix":  # after the decision, as Serve's on_request_routed
+            self.state.sent(req.key, worker.name, str(req.key), now)
         req.worker = worker.index
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         try:
@@ -438,7 +472,7 @@ async def simulate(
 ) -> RunResult:
     """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given;
     ``options`` are :class:`Simulator`'s keywords (publish lag, heartbeat, seed, weights,
-    max_match_tokens)."""
+    router: RouterSettings fields)."""
     reqs = fresh(requests)
     index = None
     if policy == "prefix":
@@ -528,7 +562,7 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
                                         publish_lag_s=args.publish_lag_ms / 1000,
                                         heartbeat_s=args.heartbeat_s, seed=args.seed,
                                         ceiling=ceiling, weights=weights,
-                                        max_match_tokens=args.max_match_tokens)
+                                        router=dict(args.router))
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -544,6 +578,17 @@ def parse_weight(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(
             f"--weight takes NAME=VALUE with NAME one of {', '.join(sorted(WEIGHT_NAMES))}")
     return name, float(value)
+
+
+ROUTER_SETTINGS = ("max_match_tokens", "hash_memo_tokens")
+
+
+def parse_router_setting(text: str) -> tuple[str, int]:
+    name, sep, value = text.partition("=")
+    if not sep or name not in ROUTER_SETTINGS:
+        raise argparse.ArgumentTypeError(
+            f"--router takes NAME=VALUE with NAME one of {', '.join(ROUTER_SETTINGS)}")
+    return name, int(value)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -568,8 +613,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--weight", action="append", default=[], metavar="NAME=VALUE",
                         type=parse_weight,
                         help="a prefix-policy weight (router.policy.PolicyConfig), repeatable")
-    parser.add_argument("--max-match-tokens", type=int, default=None,
-                        help="the router's max_match_tokens (default: RouterSettings')")
+    parser.add_argument("--router", action="append", default=[], metavar="NAME=VALUE",
+                        type=parse_router_setting,
+                        help="a RouterSettings field, e.g. max_match_tokens=16384, repeatable")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)

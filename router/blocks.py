@@ -10,8 +10,10 @@ where ``H`` is SHA-256 over a fixed little-endian binary layout, truncated to 16
     b"PSB1" | parent (16 bytes) | u32 n_tokens | n_tokens x u32 token id | u32 n_extra | extra
 
 ``namespace`` folds the model fingerprint and the tenant's ``cache_salt`` into block 0, so two
-models or two tenants never share a name for the same tokens. Python's ``hash()`` is never used:
-it is process-seeded and made vLLM's prefix cache poisonable (GHSA-rm76-4mrf-v9r8).
+models or two tenants never share a name for the same tokens. Python's ``hash()`` never names a
+block: it is process-seeded and made vLLM's prefix cache poisonable (GHSA-rm76-4mrf-v9r8). Only
+the router's :class:`ChainMemo` finds runs it hashed before by it, where a collision could only
+misroute.
 """
 
 from __future__ import annotations
@@ -120,58 +122,82 @@ class ChainMemo:
     """Recently hashed runs of blocks, so a prompt that starts like an earlier one (a chat's next
     turn, a shared system prompt or document) hashes only what is new.
 
-    A run is ``RUN_BLOCKS`` full blocks, keyed by its parent digest (the namespace for the first
-    run) and its packed token ids: a hit returns exactly what hashing would, and only digests
-    computed here are ever stored. Two generations bound the memory: when the young one holds
-    ``max_runs`` runs it becomes the old one and the previous old one is dropped; a hit in the old
-    one moves the run back to the young one.
+    A run is ``RUN_BLOCKS`` full blocks, found by Python's 64-bit hash of its parent digest (the
+    namespace for the first run) and its packed token ids, and stored as its digests (about 4
+    bytes per prompt token at 16-token blocks). The hash is seeded per process, so
+    nobody can aim a collision, and a chance one (about 1e-8 with a million runs held) only
+    misroutes: routers use chains to choose, workers hash their own blocks. Two generations
+    bound the memory: when the young one holds ``max_runs`` runs it becomes the old one and the
+    previous old one is dropped; a hit in the old one moves the run back to the young one.
     """
 
     RUN_BLOCKS = 16
+    WINDOW_RUNS = 16  # runs packed at a time: a long prompt is packed only as far as it is read
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, max_runs: int = 16384) -> None:
         if block_size < 1 or max_runs < 0:
             raise ValueError("block_size must be >= 1 and max_runs >= 0")
         self.block_size = block_size
         self.max_runs = max_runs
-        self._young: dict[tuple[bytes, bytes], tuple[BlockHash, ...]] = {}
-        self._old: dict[tuple[bytes, bytes], tuple[BlockHash, ...]] = {}
+        self._young: dict[int, tuple[BlockHash, ...]] = {}  # run key -> the run's digests
+        self._old: dict[int, tuple[BlockHash, ...]] = {}
         self.hit_blocks = 0  # blocks served from the memo (a gauge of what it saves)
 
-    def chain(self, token_ids: Sequence[int], ns: bytes = b"") -> list[BlockHash]:
-        """What ``hash_chain(token_ids, block_size, ns)`` returns."""
+    def chain(
+        self, token_ids: Sequence[int], ns: bytes = b"", budget: int | None = None
+    ) -> list[BlockHash]:
+        """What ``hash_chain(token_ids, block_size, ns)`` returns; with ``budget``, only its
+        first blocks: the ones remembered and at most ``budget`` more."""
         size = self.block_size
-        num_blocks = len(token_ids) // size
-        if num_blocks < self.RUN_BLOCKS or not self.max_runs:
-            return hash_chain(token_ids, size, ns)
-        body = _pack(token_ids[: num_blocks * size])
-        run = 4 * size * self.RUN_BLOCKS
+        end = len(token_ids) // size * size  # the tokens of full blocks
+        if not self.max_runs or end < size * self.RUN_BLOCKS:
+            limit = end if budget is None else min(end, budget * size)
+            return hash_chain(token_ids[:limit], size, ns)
+        run = 4 * size * self.RUN_BLOCKS  # bytes
+        left = end // size if budget is None else budget  # blocks still to hash
         out: list[BlockHash] = []
-        parent, pos, young = ns, 0, self._young
-        while pos + run <= len(body):
-            key = (parent, body[pos : pos + run])
-            digests = young.get(key)
-            if digests is None:
-                digests = self._old.get(key)
+        parent, start, missed = ns, 0, False
+        while start < end and not (missed and left <= 0):
+            body = _pack(token_ids[start : min(end, start + run // 4 * self.WINDOW_RUNS)])
+            start += len(body) // 4
+            pos = 0
+            while not missed and pos + run <= len(body):
+                key = hash((parent, body[pos : pos + run]))
+                digests = self._young.get(key)
                 if digests is None:
+                    digests = self._old.get(key)
+                    if digests is None:
+                        missed = True
+                        break
+                    self._remember(key, digests)
+                out.extend(digests)
+                self.hit_blocks += len(digests)
+                parent, pos = digests[-1], pos + run
+            if pos < len(body):  # past what is remembered (or a last partial run): hash
+                missed = True
+                if left <= 0:
                     break
-                self._remember(key, digests)
-            out.extend(digests)
-            parent, pos = digests[-1], pos + run
-        self.hit_blocks += len(out)
-        if not out:
-            out.append(hash_block(ROOT, token_ids[:size], ns))
-            out += _hash_packed(out[0], body[4 * size : run], size)
-            self._remember((ns, body[:run]), tuple(out))
-            pos = run
-        new = _hash_packed(out[-1], body[pos:], size)
-        for k in range(0, len(new) - self.RUN_BLOCKS + 1, self.RUN_BLOCKS):
-            start = pos + k * 4 * size
-            self._remember((out[-1] if k == 0 else new[k - 1], body[start : start + run]),
-                           tuple(new[k : k + self.RUN_BLOCKS]))
-        return out + new
+                fresh = body[pos : pos + 4 * size * left]
+                new = self._hash(parent, fresh, first=not out)
+                for k in range(0, len(new) - self.RUN_BLOCKS + 1, self.RUN_BLOCKS):
+                    at = 4 * size * k
+                    self._remember(hash((new[k - 1] if k else parent, fresh[at : at + run])),
+                                   tuple(new[k : k + self.RUN_BLOCKS]))
+                out.extend(new)
+                parent, left = new[-1], left - len(new)
+        return out
 
-    def _remember(self, key: tuple[bytes, bytes], digests: tuple[BlockHash, ...]) -> None:
+    def _hash(self, parent: bytes, body: bytes, first: bool) -> list[BlockHash]:
+        """Digests of the packed full blocks in ``body`` after ``parent`` (for the chain's first
+        block, ``parent`` is the namespace, folded in as hash_block does)."""
+        if not first:
+            return _hash_packed(parent, body, self.block_size)
+        step = 4 * self.block_size
+        head = hashlib.sha256(_MAGIC + ROOT + _u32(self.block_size) + body[:step]
+                              + _u32(len(parent)) + parent).digest()[:DIGEST_BYTES]
+        return [head, *_hash_packed(head, body[step:], self.block_size)]
+
+    def _remember(self, key: int, digests: tuple[BlockHash, ...]) -> None:
         if len(self._young) >= self.max_runs:
             self._old, self._young = self._young, {}
         self._young[key] = digests

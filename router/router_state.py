@@ -30,6 +30,9 @@ logger = logging.getLogger("ray.serve")
 _LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
 _MAX_CONTEXTS = 4096  # past this, contexts of requests cancelled before routing are dropped
 _CONTEXT_MAX_AGE_S = 60.0
+# A decision hashes the prompt's remembered blocks and this many tokens more at first (extend()
+# adds more where some worker may hold them all): a long prompt no one holds costs little.
+_FIRST_HASH_TOKENS = 4096
 _MAX_ROUTED = 10_000  # past this, records of requests Serve never sent are dropped
 _ROUTED_MAX_AGE_S = 600.0
 
@@ -51,14 +54,14 @@ class LocalPredictions:
         self.num_blocks = 0
 
     def record(self, chain: Sequence[bytes], worker: str, now: float) -> None:
-        self._sent.append((now + self.ttl_s, worker, chain))
+        self._sent.append((now + self.ttl_s, worker, chain, len(chain)))
         self.num_blocks += len(chain)
         self._expire(now)
 
     def _expire(self, now: float) -> None:
         sent = self._sent
         while sent and (sent[0][0] <= now or self.num_blocks > self.max_blocks):
-            self.num_blocks -= len(sent.popleft()[2])
+            self.num_blocks -= sent.popleft()[3]  # as recorded: a chain may grow after
 
     def depths(self, chain: Sequence[bytes], now: float) -> dict[str, int]:
         """Consecutive predicted depth from block 0, per worker."""
@@ -66,12 +69,24 @@ class LocalPredictions:
         depth: dict[str, int] = {}
         if not chain:
             return depth
-        for _, worker, sent in self._sent:
+        for _, worker, sent, _ in self._sent:
             if sent and sent[0] == chain[0]:
                 shared = common_blocks(chain, sent)
                 if shared > depth.get(worker, 0):
                     depth[worker] = shared
         return depth
+
+
+    def chains(self, now: float) -> list[Sequence[bytes]]:
+        """The chains sent in the last ``ttl_s``."""
+        self._expire(now)
+        return [sent for _, _, sent, _ in self._sent]
+
+
+def goes_past(chain: Sequence[bytes], other: Sequence[bytes]) -> bool:
+    """Whether ``other`` holds all of ``chain`` and more (chained: equal last blocks suffice)."""
+    n = len(chain)
+    return 0 < n < len(other) and other[n - 1] == chain[n - 1]
 
 
 def common_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
@@ -112,10 +127,13 @@ class Routed:
 class RequestContext:
     """Per pending request, so retries never re-hash the prompt."""
 
-    chain: list[bytes]
+    chain: list[bytes]  # the prompt's first blocks, as many as the decision needs (extend())
     tie_key: bytes  # orders tied workers when the chain is empty (see tie_key()); else b""
     num_prompt_tokens: int
     created_at: float
+    tokens: Sequence[int] = ()  # the matched prompt tokens, for the rest of the chain
+    namespace: bytes = b""
+    complete: bool = True  # the chain holds every full block of ``tokens``
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
     depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
@@ -190,9 +208,9 @@ class RouterSettings(BaseModel):
         131072, ge=1, description="Routing matches at most this many leading prompt tokens "
         "(past it every worker counts as uncached)")
     hash_memo_tokens: int = Field(
-        2_097_152, ge=0, description="Prompt tokens whose block digests a router remembers (two "
-        "generations of this many), so a prompt that starts like a recent one (a chat's next "
-        "turn, a shared system prompt) hashes only what is new; 0 turns it off")
+        8_388_608, ge=0, description="Prompt tokens whose block digests a router remembers (two "
+        "generations of this many, ~4 bytes a token), so a prompt that starts like a recent one "
+        "(a chat's next turn, a shared system prompt) hashes only what is new; 0 turns it off")
     weights: PolicyConfig = Field(
         default_factory=PolicyConfig, description="The routing cost model (router.policy)")
     model: str = Field("", description="Served model name: the index keyspace",
@@ -234,6 +252,7 @@ class RouterState:
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
         run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
         self.memo = ChainMemo(settings.block_size, settings.hash_memo_tokens // run_tokens)
+        self._first_blocks = max(1, _FIRST_HASH_TOKENS // settings.block_size)
 
     # -------------------------------------------------------------------------- requests
 
@@ -244,23 +263,53 @@ class RouterState:
         ctx = self.contexts.get(key)
         if ctx is not None:
             return ctx
-        block_size = self.settings.block_size
         chain: list[bytes] = []
+        matched: Sequence[int] = ()
+        ns = b""
         if self.settings.prefix_routing and self.fingerprint is not None:
-            chain = self.memo.chain(tokens[: self.settings.max_match_tokens],
-                                    namespace(self.fingerprint, cache_salt))
+            matched = tokens[: self.settings.max_match_tokens]
+            ns = namespace(self.fingerprint, cache_salt)
+            chain = self.memo.chain(matched, ns, budget=self._first_blocks)
         spread = b""  # a chain's tie key depends on the lookup (see tie_key())
         if not chain:  # shorter than a block (or no fingerprint yet): nothing cacheable, spread
             spread = hashlib.blake2b(
                 struct.pack(f"<{min(len(tokens), 64)}I", *tokens[:64]), digest_size=16
             ).digest()
-        ctx = RequestContext(chain, spread, max(1, len(tokens)), now)
+        full = len(matched) // self.settings.block_size
+        ctx = RequestContext(chain, spread, max(1, len(tokens)), now, matched, ns,
+                             len(chain) == full)
         self.contexts[key] = ctx
         if len(self.contexts) > _MAX_CONTEXTS:
             for stale in [k for k, c in self.contexts.items()
                           if now - c.created_at > _CONTEXT_MAX_AGE_S]:
                 del self.contexts[stale]
         return ctx
+
+    def extend(self, ctx: RequestContext, result: LookupResult | None, now: float) -> bool:
+        """Hash more of the prompt when some worker may hold every block hashed so far (the
+        index's matches, this router's recent decisions, its requests in flight): True means
+        the chain grew and the lookup must be made again. Ranking a chain that ends before
+        every match does would miss what the deeper matches save."""
+        chain = ctx.chain
+        n = len(chain)
+        if ctx.complete or not n:
+            return False
+        reached = result is not None and any(
+            max(m.confirmed_depth, m.predicted_depth) >= n for m in result.matches.values())
+        reached = reached or any(goes_past(chain, sent) for sent in self.local.chains(now))
+        reached = reached or any(goes_past(chain, r.chain) for r in self.routed.values())
+        if not reached:
+            return False
+        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, budget=4 * n)[n:])
+        ctx.complete = len(chain) == len(ctx.tokens) // self.settings.block_size
+        return len(chain) > n
+
+    def finish(self, ctx: RequestContext) -> None:
+        """The rest of the chain, after the decision: the predicted entries and this router's
+        later decisions cover the whole prompt."""
+        if not ctx.complete:
+            ctx.chain.extend(self.memo.chain(ctx.tokens, ctx.namespace)[len(ctx.chain):])
+            ctx.complete = True
 
     def rank(
         self,
@@ -345,6 +394,7 @@ class RouterState:
         ctx = self.contexts.pop(key, None)
         if ctx is None:
             return None
+        self.finish(ctx)
         first = self.routed.get(key)
         if first is not None and first.worker == worker:  # its local prediction is recorded
             self._track(key, worker, ctx, internal_id, now)

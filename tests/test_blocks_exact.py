@@ -169,7 +169,7 @@ def test_chain_memo_equals_hashing_for_every_shape() -> None:
         assert memo.chain(base[:n], ns) == ref_chain(base[:n], 2, ns)
     longer = base + [5, 6, 7] * 40
     assert memo.chain(longer, ns) == ref_chain(longer, 2, ns)
-    forked = base[: 2 * RUN * 3 + 1] + [999] + base[2 * RUN * 3 + 2 :]
+    forked = [*base[: 2 * RUN * 3 + 1], 999, *base[2 * RUN * 3 + 2 :]]
     assert memo.chain(forked, ns) == ref_chain(forked, 2, ns)
     assert memo.chain(base, b"") == ref_chain(base, 2, b"")
 
@@ -190,6 +190,23 @@ def test_chain_memo_reuses_whole_runs_it_hashed_before() -> None:
     assert memo.hit_blocks == 6 * RUN
     memo.chain(first, namespace("other"))  # another namespace shares nothing
     assert memo.hit_blocks == 6 * RUN
+
+
+def test_chain_memo_budget_hashes_what_it_remembers_and_so_many_more() -> None:
+    ns = namespace("fp")
+    memo = ChainMemo(2)
+    tokens = [(7 * i) % 501 for i in range(2 * RUN * 40 + 3)]  # 40 runs: past one window
+    full = ref_chain(tokens, 2, ns)
+    assert memo.chain(tokens, ns, budget=5) == full[:5]  # nothing remembered: five blocks
+    assert memo.chain(tokens, ns, budget=RUN + 3) == full[: RUN + 3]
+    assert memo.hit_blocks == 0  # the first five were no whole run
+    assert memo.chain(tokens, ns, budget=3) == full[: RUN + 3]  # one run remembered, then 3
+    assert memo.hit_blocks == RUN
+    assert memo.chain(tokens, ns, budget=0) == full[:RUN]
+    assert memo.chain(tokens, ns) == full  # no budget: every block
+    assert memo.chain(tokens, ns, budget=1) == full  # all remembered but the last partial run
+    assert memo.chain(tokens[: 2 * RUN - 1], ns, budget=1) == full[:1]  # shorter than a run
+    assert ChainMemo(2, max_runs=0).chain(tokens, ns, budget=7) == full[:7]
 
 
 def test_chain_memo_keeps_two_generations() -> None:

@@ -119,7 +119,7 @@ def test_matching_stops_at_max_match_tokens() -> None:
 
 def test_contexts_hash_through_the_memo() -> None:
     st = state(block_size=4)
-    assert st.memo.max_runs == 2_097_152 // (4 * 16) and st.memo.block_size == 4
+    assert st.memo.max_runs == 8_388_608 // (4 * 16) and st.memo.block_size == 4
     first = list(range(4 * 40))  # two runs of 16 blocks and 8 blocks more
     assert st.context(1, first, None, now=0.0).chain == hash_chain(first, 4, NS)
     nxt = first + [7] * 100  # a chat's next turn: the two runs are not hashed again
@@ -133,6 +133,72 @@ def test_contexts_hash_through_the_memo() -> None:
     assert off.context(1, TOKENS_A, None, now=0.0).chain == A
     with pytest.raises(ValueError):
         RouterSettings(hash_memo_tokens=-1)
+
+
+LONG = [(13 * i) % 9973 for i in range(4 * 12000)]  # 12,000 blocks of 4: past the first hashing
+LONG_CHAIN = hash_chain(LONG, 4, NS)
+
+
+def small_blocks_state() -> RouterState:
+    st = state(block_size=4)
+    st.check_workers([WorkerInfo(1, "a", 1, 4, "fp", "")], [], now=0.0)
+    return st
+
+
+def test_a_long_prompt_is_hashed_as_far_as_a_match_may_reach() -> None:
+    st = small_blocks_state()
+    first = 4096 // 4  # _FIRST_HASH_TOKENS at 4-token blocks
+    ctx = st.context(1, LONG, None, now=0.0)
+    chain = ctx.chain
+    assert chain == LONG_CHAIN[:first] and not ctx.complete
+    assert not st.extend(ctx, None, now=0.0)  # nothing known reaches its end
+    assert not st.extend(ctx, lookup(a=first - 1), now=0.0)
+    assert st.extend(ctx, lookup(a=first), now=0.0)  # a worker holds all of it: hash 4x more
+    assert ctx.chain is chain and chain == LONG_CHAIN[: 5 * first] and not ctx.complete
+    assert st.extend(ctx, lookup(b=5 * first), now=0.0)
+    assert chain == LONG_CHAIN and ctx.complete  # the rest, 12,000 blocks in all
+    assert not st.extend(ctx, lookup(b=12000), now=0.0)  # complete: nothing more to hash
+
+
+def test_the_rest_is_hashed_after_the_decision_in_place() -> None:
+    st = small_blocks_state()
+    ctx = st.context(1, LONG, None, now=0.0)
+    chain = ctx.chain
+    st.looked_up(lookup(a=0))
+    st.rank(1, ctx, ABC, lookup(a=0), now=0.0)
+    st.note_routed(1, "a", ctx, "r1", now=0.0)
+    assert st.local.num_blocks == len(chain) == 1024
+    prediction = st.sent(1, "a", "r1", now=0.0)
+    assert chain == LONG_CHAIN and prediction == Prediction(LONG_CHAIN, 1, 0)
+    assert st.routed[1].chain is chain  # what later requests share with it: all of it
+    assert st.local.chains(now=0.0) == [LONG_CHAIN]
+    st.local.chains(now=1e9)  # expired: the count it was recorded with comes off
+    assert st.local.num_blocks == 0
+
+
+@pytest.mark.parametrize("source", ["decided", "in flight"])
+def test_this_routers_own_longer_chains_ask_for_more(source: str) -> None:
+    st = small_blocks_state()
+    first = st.context(1, LONG, None, now=0.0)
+    st.rank(1, first, ABC, None, now=0.0)
+    st.note_routed(1, "a", first, "r1", now=0.0)
+    st.finish(first)
+    if source == "in flight":
+        st.local.chains(now=1e9)  # its local prediction expired; the request is still pending
+        assert st.routed[1].chain == LONG_CHAIN
+    else:
+        st.completed("a", "r1")  # done: only this router's recent decision remembers it
+        assert not st.routed and st.local.chains(now=0.0) == [LONG_CHAIN]
+    again = st.context(2, LONG, None, now=0.0)
+    assert again.chain == LONG_CHAIN  # the memo remembers what request 1 hashed
+    other = st.context(3, LONG[:4 * 1100] + [1] * 4 * 3000, None, now=0.0)
+    assert len(other.chain) < 4100 and not other.complete
+    assert not st.extend(other, None, now=0.0)  # request 1's chain leaves it before its end
+    cut = st.context(4, LONG[: 4 * 2000] + [5] * 4, None, now=0.0)
+    cut.chain[1100:] = []  # as hashed at first: a prefix of request 1's chain
+    cut.complete = False
+    assert st.extend(cut, None, now=0.0)  # request 1's chain goes past it: more
+    assert cut.chain == hash_chain(LONG[: 4 * 2000] + [5] * 4, 4, NS)
 
 
 def test_stale_contexts_are_dropped_once_there_are_many() -> None:

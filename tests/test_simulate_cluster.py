@@ -5,12 +5,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
-from bench.simulate import SimRequest, Simulator, parse_weight, simulate, trace_requests
+from bench.simulate import (
+    LEASE_TTL_S,
+    SimRequest,
+    Simulator,
+    fresh,
+    parse_router_setting,
+    parse_weight,
+    simulate,
+    trace_requests,
+)
+from router.index import IndexSettings, open_index
 from router.policy import PolicyConfig
 from workers.engine_types import EngineConfig
 from workers.sim.profiles import H100_LLAMA3_8B
@@ -74,9 +85,41 @@ def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server,
     assert sim.state.settings.weights == weights
 
 
+async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: str,
+                 **router: int) -> tuple[Simulator, list[int | None]]:
+    """A prefix-policy run over 8 workers: the simulator and where each request went."""
+    index = open_index(redis_url, f"t-{time.time_ns()}", deadline_s=2.0,
+                       settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
+    sim = Simulator(PROFILE, 8, "prefix", config, index, router=router)
+    reqs = fresh(requests)
+    try:
+        await sim.run(reqs)
+    finally:
+        await index.close()
+    return sim, [r.worker for r in reqs]
+
+
+def test_long_prompts_hashed_as_needed_route_as_if_hashed_whole(redis_server) -> None:
+    # 8 documents of 12,000 tokens, each asked about 5 times: past the first 4,096 tokens hashed
+    docs = [[(d * 7919 + i) % PROFILE.vocab_size for i in range(12000)] for d in range(8)]
+    requests = [SimRequest(k, [*docs[k % 8], *range(k, k + 100)], 16, 0.5 * k) for k in range(40)]
+    config = EngineConfig(num_blocks=8192, max_num_seqs=PROFILE.max_num_seqs,
+                          max_num_batched_tokens=PROFILE.max_num_batched_tokens)
+    memo, with_memo = asyncio.run(replay(requests, config, redis_server.url))
+    bare, without = asyncio.run(replay(requests, config, redis_server.url, hash_memo_tokens=0))
+    assert bare.state.memo.max_runs == 0 < memo.state.memo.max_runs
+    # without the memo every deep match is found by hashing more and looking up again ...
+    assert len(bare.lookup_s) > len(memo.lookup_s) >= len(requests)
+    # ... and every request goes where the whole chains send it
+    assert without == with_memo and len(set(with_memo)) > 1
+
+
 def test_weight_option_parses_and_refuses_unknown_names() -> None:
     assert parse_weight("eviction_weight=0.5") == ("eviction_weight", 0.5)
     with pytest.raises(argparse.ArgumentTypeError, match="eviction_weight"):
         parse_weight("block_size=8")  # internal: set from the engine, not a weight
     with pytest.raises(argparse.ArgumentTypeError):
         parse_weight("uncached_weight")
+    assert parse_router_setting("max_match_tokens=64") == ("max_match_tokens", 64)
+    with pytest.raises(argparse.ArgumentTypeError, match="hash_memo_tokens"):
+        parse_router_setting("lookup_deadline_s=1")
