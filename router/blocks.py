@@ -61,13 +61,13 @@ def hash_block(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> Bloc
 
 
 def _hash_packed(parent: bytes, body: bytes, block_size: int) -> list[BlockHash]:
-    """The digests of the full blocks packed in ``body``, chained from ``parent``, laid out as
+    """The digests of the whole blocks packed in ``body``, chained from ``parent``, laid out as
     hash_block does (from one packed buffer: about twice as fast for a long prompt as packing
     block by block, and the router hashes every prompt)."""
     head, count, no_extra = _MAGIC, _u32(block_size), _u32(0)
     step = 4 * block_size
     out: list[BlockHash] = []
-    for start in range(0, len(body) - step + 1, step):
+    for start in range(0, len(body), step):
         parent = hashlib.sha256(
             head + parent + count + body[start : start + step] + no_extra
         ).digest()[:DIGEST_BYTES]
@@ -150,34 +150,31 @@ class ChainMemo:
         first blocks: the ones remembered and at most ``budget`` more."""
         size = self.block_size
         end = len(token_ids) // size * size  # the tokens of full blocks
-        if not self.max_runs or end < size * self.RUN_BLOCKS:
-            limit = end if budget is None else min(end, budget * size)
-            return hash_chain(token_ids[:limit], size, ns)
+        if not self.max_runs:
+            return hash_chain(token_ids[: end if budget is None else budget * size], size, ns)
         run = 4 * size * self.RUN_BLOCKS  # bytes
         left = end // size if budget is None else budget  # blocks still to hash
         out: list[BlockHash] = []
-        parent, start, missed = ns, 0, False
-        while start < end and not (missed and left <= 0):
+        parent, start = ns, 0
+        while start < end:
             body = _pack(token_ids[start : min(end, start + run // 4 * self.WINDOW_RUNS)])
             start += len(body) // 4
             pos = 0
-            while not missed and pos + run <= len(body):
+            while pos + run <= len(body):
                 key = hash((parent, body[pos : pos + run]))
                 digests = self._young.get(key)
                 if digests is None:
                     digests = self._old.get(key)
                     if digests is None:
-                        missed = True
                         break
                     self._remember(key, digests)
                 out.extend(digests)
                 self.hit_blocks += len(digests)
                 parent, pos = digests[-1], pos + run
             if pos < len(body):  # past what is remembered (or a last partial run): hash
-                missed = True
-                if left <= 0:
-                    break
                 fresh = body[pos : pos + 4 * size * left]
+                if not fresh:
+                    break
                 new = self._hash(parent, fresh, first=not out)
                 for k in range(0, len(new) - self.RUN_BLOCKS + 1, self.RUN_BLOCKS):
                     at = 4 * size * k
@@ -185,7 +182,14 @@ class ChainMemo:
                                    tuple(new[k : k + self.RUN_BLOCKS]))
                 out.extend(new)
                 parent, left = new[-1], left - len(new)
+                if len(fresh) < len(body) - pos:  # the budget ends inside this window
+                    break
         return out
+
+    @property
+    def num_runs(self) -> int:
+        """Runs held, in both generations (a run in both counts twice)."""
+        return len(self._young) + len(self._old)
 
     def _hash(self, parent: bytes, body: bytes, first: bool) -> list[BlockHash]:
         """Digests of the packed full blocks in ``body`` after ``parent`` (for the chain's first

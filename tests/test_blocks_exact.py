@@ -180,8 +180,9 @@ def test_chain_memo_reuses_whole_runs_it_hashed_before() -> None:
     first = list(range(2 * RUN * 3 + 2 * 5 + 1))  # three runs, five blocks, one token
     memo.chain(first, ns)
     assert memo.hit_blocks == 0
+    assert memo.num_runs == 3  # the five blocks after the runs make no whole run
     memo.chain(first + list(range(500, 600)), ns)
-    assert memo.hit_blocks == 3 * RUN  # the three runs; the five blocks were no whole run
+    assert memo.hit_blocks == 3 * RUN  # the three runs
     memo.chain(first[: 2 * RUN * 2 + 3], ns)
     assert memo.hit_blocks == 5 * RUN
     changed = first.copy()
@@ -206,6 +207,11 @@ def test_chain_memo_budget_hashes_what_it_remembers_and_so_many_more() -> None:
     assert memo.chain(tokens, ns) == full  # no budget: every block
     assert memo.chain(tokens, ns, budget=1) == full  # all remembered but the last partial run
     assert memo.chain(tokens[: 2 * RUN - 1], ns, budget=1) == full[:1]  # shorter than a run
+    window = RUN * ChainMemo.WINDOW_RUNS
+    fresh = ChainMemo(2)
+    other = [t + 1 for t in tokens]  # nothing of it remembered: hashed a window at a time
+    assert fresh.chain(other, ns, budget=window + 1) == ref_chain(other, 2, ns)[: window + 1]
+    assert fresh.chain(other, ns, budget=window - 1) == ref_chain(other, 2, ns)[: 2 * window - 1]
     assert ChainMemo(2, max_runs=0).chain(tokens, ns, budget=7) == full[:7]
 
 
@@ -221,6 +227,12 @@ def test_chain_memo_keeps_two_generations() -> None:
     assert memo.hit_blocks == RUN
     memo.chain(c)
     assert memo.hit_blocks == 2 * RUN  # c was old, b young again: both still held
+    memo.chain(c)  # young now: b turns old
+    memo.chain(b)
+    assert memo.hit_blocks == 4 * RUN  # a promoted run is found again after a turn
+    short = ChainMemo(1)
+    short.chain(list(range(2 * RUN - 1)))  # a run and all but one block of another
+    assert short.num_runs == 1
     off = ChainMemo(1, max_runs=0)
     assert off.chain(a) == off.chain(a) == ref_chain(a, 1)
     assert off.hit_blocks == 0
