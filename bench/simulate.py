@@ -341,14 +341,16 @@ class Simulator:
         # The simulated fleet allocates far more than a router does, and the collector's pauses
         # it triggers would land inside the routing decisions timed here: collect between
         # events instead (the fleet's setup frozen, out of every pass).
+        was_enabled = gc.isenabled()
         gc.collect()
         gc.freeze()
         gc.disable()
         try:
             await self._replay(pending)
         finally:
-            gc.enable()
             gc.unfreeze()
+            if was_enabled:
+                gc.enable()
         return self._now
 
     async def _replay(self, pending: int) -> None:

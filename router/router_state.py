@@ -76,7 +76,6 @@ class LocalPredictions:
                     depth[worker] = shared
         return depth
 
-
     def chains(self, now: float) -> list[Sequence[bytes]]:
         """The chains sent in the last ``ttl_s``."""
         self._expire(now)
