@@ -574,11 +574,17 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
     return results
 
 
-def parse_weight(text: str) -> tuple[str, float]:
+def _named_value(text: str, flag: str, names: Sequence[str]) -> tuple[str, str]:
+    """``NAME=VALUE`` with NAME one of ``names``, as argparse wants a bad one refused."""
     name, sep, value = text.partition("=")
-    if not sep or name not in WEIGHT_NAMES:
+    if not sep or name not in names:
         raise argparse.ArgumentTypeError(
-            f"--weight takes NAME=VALUE with NAME one of {', '.join(sorted(WEIGHT_NAMES))}")
+            f"{flag} takes NAME=VALUE with NAME one of {', '.join(names)}")
+    return name, value
+
+
+def parse_weight(text: str) -> tuple[str, float]:
+    name, value = _named_value(text, "--weight", sorted(WEIGHT_NAMES))
     return name, float(value)
 
 
@@ -586,10 +592,7 @@ ROUTER_SETTINGS = ("max_match_tokens", "hash_memo_tokens")
 
 
 def parse_router_setting(text: str) -> tuple[str, int]:
-    name, sep, value = text.partition("=")
-    if not sep or name not in ROUTER_SETTINGS:
-        raise argparse.ArgumentTypeError(
-            f"--router takes NAME=VALUE with NAME one of {', '.join(ROUTER_SETTINGS)}")
+    name, value = _named_value(text, "--router", ROUTER_SETTINGS)
     return name, int(value)
 
 

@@ -150,9 +150,8 @@ def match_depths(
     confirmed: dict[int, int] = {}
     for k in range(0, len(changes) - 1, 2):
         start, holders = int(changes[k]), _ids(bytes(changes[k + 1]))
-        for wid in alive - holders:
-            if k:
-                confirmed[wid] = start - 1
+        if k:  # the first change is block 1's holders: nobody leaves there
+            confirmed.update(dict.fromkeys(alive - holders, start - 1))
         alive = alive & holders
     confirmed.update(dict.fromkeys(alive, walked))
     depths = {wid: (d, d) for wid, d in confirmed.items()}

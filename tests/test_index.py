@@ -66,6 +66,13 @@ def stored(wid: int, seq: int, hashes, epoch: int = 1) -> EventBatch:
     return EventBatch(wid, epoch, seq, (BlockStored(tuple(hashes)),))
 
 
+async def hold(idx: RedisPrefixIndex, chain: list[bytes], holds: dict[str, int]) -> None:
+    """Register each named worker, holding the chain's first ``holds[name]`` blocks."""
+    for rid, n in holds.items():
+        wid = await register(idx, rid)
+        assert await idx.apply(stored(wid, 1, chain[:n])) is ResultCode.OK
+
+
 def depths(result) -> dict[str, tuple[int, int]]:
     return {rid: (m.confirmed_depth, m.predicted_depth) for rid, m in result.matches.items()}
 
@@ -153,9 +160,7 @@ async def test_a_block_every_worker_holds_is_one_change(
 async def test_deep_walk_across_chunk_boundaries(index: RedisPrefixIndex) -> None:
     ch = chain_of(22, 200)
     holds = {"A": 200, "B": 100, "C": 23, "D": 8, "E": 9, "F": 24}
-    for rid, n in holds.items():
-        wid = await register(index, rid)
-        assert await index.apply(stored(wid, 1, ch[:n])) is ResultCode.OK
+    await hold(index, ch, holds)
     result = await index.lookup(ch)
     assert depths(result) == {rid: (n, n) for rid, n in holds.items()}
     assert result.blocks_walked == 200
@@ -175,9 +180,7 @@ async def test_long_runs_of_the_same_holders_are_galloped_exactly(
     ch = chain_of(23, 3000)
     # depths around the gallop's steps and the binary search's midpoints
     holds = {"A": 3000, "B": 2500, "C": 1025, "D": 1024, "E": 1023, "F": 130, "G": 57}
-    for rid, n in holds.items():
-        wid = await register(index, rid)
-        assert await index.apply(stored(wid, 1, ch[:n])) is ResultCode.OK
+    await hold(index, ch, holds)
     result = await index.lookup(ch)
     assert depths(result) == {rid: (n, n) for rid, n in holds.items()}
     assert result.blocks_walked == 3000

@@ -126,10 +126,7 @@ if nblocks >= 1 then
   if v then
     for k = 1, #v, 2 do cand[string.sub(v, k, k + 1)] = true end
   end
-  local q = redis.call('GET', pfx .. 'q' .. string.sub(chain, 1, 16))
-  if q then
-    for k = 1, #q, 15 do cand[string.sub(q, k, k + 1)] = true end
-  end
+  for c in pairs(predicted_at(1)) do cand[c] = true end
   for c in pairs(all_tails()) do cand[c] = true end  -- workers with a sampled tail (few, if any)
 end
 local ncand = 0
