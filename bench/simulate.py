@@ -60,6 +60,7 @@ from router.index import (
     PrefixIndex,
     ResultCode,
     open_index,
+    within,
 )
 from router.policy import PolicyConfig
 from router.ray_prefix import TOKEN_CHAR_BASE
@@ -318,7 +319,7 @@ class Simulator:
             return None
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(self.index.lookup(chain), 4 * INDEX_DEADLINE_S)
+            result = await within(self.index.lookup(chain), 4 * INDEX_DEADLINE_S)
         except Exception:  # fail open, as the request router does
             self.lookups_failed += 1
             self.state.lookup_failed(now)

@@ -57,6 +57,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgpack
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
@@ -336,14 +337,14 @@ class RedisPrefixIndex:
         which Redis sends only the loads changed since this client's last lookup."""
         keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails, self._k_lz]
         args = [self._prefix, pack_digests(chain), self._lv]
-        rv, live, segs, rides, lv, changed, everything, walked = await self._eval(
-            "lookup", keys, args)
+        reply = await self._eval("lookup", keys, args)
+        rv, live, segs, rides, lv, changed, everything, walked = msgpack.unpackb(reply, raw=True)
         depth = match_depths(live, segs, rides, walked)
         if rv != self._rv or any(wid not in self._workers for wid in depth):
             await self.live_workers()
         self._lv = lv
         if everything or changed:
-            news = {int.from_bytes(changed[i], "big"): changed[i + 1]
+            news = {int.from_bytes(changed[i], "big"): changed[i + 1] or None  # False: no load
                     for i in range(0, len(changed) - 1, 2) if len(changed[i]) == 2}
             if everything:
                 for gone in self._loads.keys() - news.keys():

@@ -45,7 +45,14 @@ from typing import Any
 
 from ray.util import metrics
 
-from router.index import REDIS_URL_ENV, IndexSettings, LookupResult, PrefixIndex, open_index
+from router.index import (
+    REDIS_URL_ENV,
+    IndexSettings,
+    LookupResult,
+    PrefixIndex,
+    open_index,
+    within,
+)
 from router.request import GenerateRequest
 from router.router_state import Candidate, Prediction, RouterSettings, RouterState
 from router.secret_refs import SecretNotFound, resolve
@@ -247,9 +254,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             self._fail_open(reason)
             return None
         try:
-            result = await asyncio.wait_for(
-                index.lookup(chain), timeout=4 * state.settings.lookup_deadline_s
-            )
+            result = await within(index.lookup(chain), 4 * state.settings.lookup_deadline_s)
         except (asyncio.TimeoutError, TimeoutError):
             self._fail_open("timeout")
             state.lookup_failed(now)

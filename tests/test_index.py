@@ -12,6 +12,7 @@ import time
 import uuid
 from importlib.resources import files
 
+import msgpack
 import pytest
 import redis
 from conftest import TlsRedis
@@ -149,8 +150,9 @@ async def test_a_block_every_worker_holds_is_one_change(
         f"S{k}": (30 + k // 5, 30 + k // 5) for k in range(50)}
     raw = redis.Redis.from_url(redis_server.url)
     keys = ("live", "load", "rv", "lv", "T", "lz")
-    reply = raw.evalsha(index._scripts["lookup"].sha, 6, *("{" + index.tag + "}" + k for k in keys),
-                        "{" + index.tag + "}", b"".join(ch), b"")
+    reply = msgpack.unpackb(raw.evalsha(
+        index._scripts["lookup"].sha, 6, *("{" + index.tag + "}" + k for k in keys),
+        "{" + index.tag + "}", b"".join(ch), b""), raw=True)
     # the 30 blocks all hold are one change; then one per block as holders leave, then nobody
     assert reply[2][::2] == [1, *range(31, 41)]
     assert reply[2][1] == ids(*wids) and reply[2][-1] == b""
@@ -250,13 +252,13 @@ async def test_a_lookup_returns_only_the_loads_changed_since_the_last(
         assert await index.heartbeat(w, 1, WorkerLoad(num_running=w))
     ch = chain_of(23, 2)
     raw = redis.Redis.from_url(redis_server.url)
-    sha = index._scripts["lookup"].sha
+    sha = raw.script_load(index._scripts["lookup"].script)
     prefix, lv = "{" + index.tag + "}", b""
 
     def changed() -> list[bytes]:
         reply = raw.evalsha(sha, 6, *(prefix + k for k in ("live", "load", "rv", "lv", "T", "lz")),
                             prefix, b"".join(ch), lv)
-        return reply[5][::2]
+        return msgpack.unpackb(reply, raw=True)[5][::2]
 
     assert len(changed()) == 20  # a client without a version gets every load
     assert len((await index.lookup(ch)).loads) == 20

@@ -119,7 +119,7 @@ def test_matching_stops_at_max_match_tokens() -> None:
 
 def test_contexts_hash_through_the_memo() -> None:
     st = state(block_size=4)
-    assert st.memo.max_runs == 8_388_608 // (4 * 16) and st.memo.block_size == 4
+    assert st.memo.max_runs == 33_554_432 // (4 * 16) and st.memo.block_size == 4
     first = list(range(4 * 40))  # two runs of 16 blocks and 8 blocks more
     assert st.context(1, first, None, now=0.0).chain == hash_chain(first, 4, NS)
     nxt = first + [7] * 100  # a chat's next turn: the two runs are not hashed again

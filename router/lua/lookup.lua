@@ -1,10 +1,11 @@
 -- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
 --   version ('' for none)
--- -> {rv, the live workers holding block 1 (confirmed, predicted or by a tail; 2-byte ids),
+-- -> msgpack of {rv, the live workers holding block 1 (confirmed, predicted or by a tail; 2-byte ids),
 --     {block, holders, block, holders, ...}: where the confirmed holders change along the walk,
 --     from block 1 ('' holders: nobody from there on), per rider 2-byte id | u32 predicted
 --     depth, lv, {2-byte id, load, ...} of the loads changed since the caller's version, 1 when
---     that is every load (the caller's version is unknown here), blocks walked}
+--     that is every load (the caller's version is unknown here), blocks walked}: one string,
+--     which the client decodes in C (a nested reply costs a parser call per element)
 -- The walk goes block by block from block 1 and returns each change of the confirmed holders
 -- once, not a depth per worker: the client derives each worker's consecutive depth from the
 -- changes, so a block every worker holds (a common system prompt) costs one string, however
@@ -232,5 +233,5 @@ elseif mine < tonumber(lv) then
     end
   end
 end
-return {redis.call('GET', KEYS[3]) or '0', table.concat(live), segs, table.concat(recs), lv,
-        changed, all, walked}
+return cmsgpack.pack({redis.call('GET', KEYS[3]) or '0', table.concat(live), segs,
+                      table.concat(recs), lv, changed, all, walked})
