@@ -125,12 +125,9 @@ class Score:
 
 
 def cached_tokens(view: WorkerView, num_prompt_tokens: int, config: PolicyConfig) -> float:
-    confirmed, predicted = view.confirmed_depth, view.predicted_depth
-    blocks = confirmed + config.predicted_credit * (predicted - confirmed if predicted > confirmed
-                                                    else 0)
-    cached = blocks * config.block_size
-    last = num_prompt_tokens - 1
-    return float(cached if cached < last else last) if last > 0 else 0.0
+    extra = max(0, view.predicted_depth - view.confirmed_depth)
+    blocks = view.confirmed_depth + config.predicted_credit * extra
+    return max(0.0, min(blocks * config.block_size, num_prompt_tokens - 1))
 
 
 def reference_prefill_rate(workers: Sequence[WorkerView], config: PolicyConfig) -> float:
@@ -144,14 +141,11 @@ def score(
 ) -> Score:
     cached = cached_tokens(view, num_prompt_tokens, config)
     uncached = num_prompt_tokens - cached
-    depth = view.predicted_depth if view.predicted_depth > view.confirmed_depth \
-        else view.confirmed_depth
+    depth = max(view.confirmed_depth, view.predicted_depth)
     load = view.load
     if load is not None:
         prefill_rate = load.prefill_tokens_per_s or ref_rate
-        decode_rate = load.decode_tokens_per_s
-        if decode_rate < config.default_decode_tokens_per_s:
-            decode_rate = config.default_decode_tokens_per_s
+        decode_rate = max(load.decode_tokens_per_s, config.default_decode_tokens_per_s)
         queued = load.queued_prefill_tokens + view.pending_prefill_tokens
         running = load.num_running + view.pending_requests
         empty = load.kv_empty_blocks * config.block_size
@@ -161,16 +155,12 @@ def score(
         queued = view.pending_prefill_tokens
         running = view.pending_requests
         empty = 0
-    if view.queue_len is not None and view.queue_len > running:
-        running = view.queue_len
-    room = empty - queued if empty > queued else 0  # the queued work fills room first
-    evicted = uncached - room if uncached > room else 0.0
+    running = max(running, view.queue_len or 0)
+    evicted = max(0.0, uncached - max(0, empty - queued))  # the queued work fills room first
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
     cost += config.eviction_weight * evicted / ref_rate
     cost += config.decode_weight * running / decode_rate
-    saved = depth * config.block_size
-    new_tokens = num_prompt_tokens - (saved if saved < num_prompt_tokens - 1
-                                      else num_prompt_tokens - 1)
+    new_tokens = num_prompt_tokens - min(depth * config.block_size, num_prompt_tokens - 1)
     return Score(view.key, cost, cached, uncached, depth, new_tokens)
 
 
@@ -203,15 +193,14 @@ def rank(
     if not scores:
         return []
     limit = min(s.cost_s for s in scores) + config.tie_tolerance_s
-    # Tied workers rank by depth, busy share, hash, not cost: load noise must not flip it.
-    keyed = sorted(
-        ((False, 0.0, -s.matched_blocks, idle_busy_share(w)) if s.cost_s <= limit
-         else (True, s.cost_s, -s.matched_blocks, idle_busy_share(w)), i)
-        for i, (s, w) in enumerate(zip(scores, workers, strict=True)))
+    # Tied workers rank by depth, busy share, hash, not cost: load noise must not flip it. A cost
+    # is positive (the last prompt token is always computed), so 0.0 puts the tied first.
+    keys = sorted((0.0 if s.cost_s <= limit else s.cost_s, -s.matched_blocks,
+                   idle_busy_share(workers[i]), i) for i, s in enumerate(scores))
     ranking: list[Score] = []
-    for _, group in groupby(keyed, key=itemgetter(0)):  # equal so far: the hash decides
-        equal = [scores[i] for _, i in group]
-        if len(equal) > 1:
+    for _, group in groupby(keys, key=itemgetter(slice(3))):  # equal so far: the hash decides
+        equal = [scores[key[3]] for key in group]
+        if len(equal) >= 2:
             equal.sort(key=lambda s: -rendezvous(tie_key, s.key))
         ranking += equal
     return ranking
