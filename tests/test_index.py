@@ -29,6 +29,7 @@ from router.index import (
     UnknownWorker,
     expect,
     open_index,
+    within,
 )
 from router.redis_index import (
     _MAX_TAILS,
@@ -136,6 +137,22 @@ def test_match_depths_from_the_changes_of_holders() -> None:
         1: (2, 2), 2: (40, 40)}
     assert match_depths(ids(1), [1, b""], ids(1) + (0).to_bytes(4, "big"), walked=1) == {}
     assert match_depths(b"", [], b"", walked=0) == {}
+
+
+async def test_within_returns_the_result_or_times_out_and_cancels() -> None:
+    assert await within(asyncio.sleep(0, result=7), 1.0) == 7
+    cancelled = asyncio.Event()
+
+    async def stuck() -> None:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(TimeoutError):
+        await within(stuck(), 0.01)
+    assert cancelled.is_set()  # the lookup given up on does not run on
 
 
 @pytest.mark.cluster
