@@ -138,9 +138,9 @@ class ChainMemo:
     tuple of digest objects takes; unpacking one costs about 0.3 us). The hash is seeded per
     process, so nobody can aim a collision, and a chance one (about 1e-8 with a million runs
     held) only misroutes: routers use chains to choose, workers hash their own blocks. Two
-    generations
-    bound the memory: when the young one holds ``max_runs`` runs it becomes the old one and the
-    previous old one is dropped; a hit in the old one moves the run back to the young one.
+    generations bound the memory: when the young one holds ``max_runs`` runs it becomes the old
+    one and the previous old one is dropped; a hit in the old one moves the run back to the
+    young one.
     """
 
     RUN_BLOCKS = 16

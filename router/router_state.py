@@ -50,7 +50,8 @@ class LocalPredictions:
     def __init__(self, ttl_s: float, max_blocks: int = 200_000) -> None:
         self.ttl_s = ttl_s
         self.max_blocks = max_blocks
-        self._sent: deque[tuple[float, str, Sequence[bytes]]] = deque()  # expiry order
+        # (expiry, worker, chain, its length when recorded), in expiry order
+        self._sent: deque[tuple[float, str, Sequence[bytes], int]] = deque()
         self.num_blocks = 0
 
     def record(self, chain: Sequence[bytes], worker: str, now: float) -> None:
@@ -336,11 +337,18 @@ class RouterState:
                 if routed.routed_at > since:
                     tokens += routed.unshared_tokens(ctx.chain, self.settings.block_size)
                     count += 1
-            confirmed, predicted = (match.confirmed_depth, match.predicted_depth) if match \
-                else (0, 0)
-            views.append(WorkerView(candidate.key, confirmed,
-                                    max(predicted, local.get(candidate.key, 0)), load, tokens,
-                                    count, candidate.queue_len))
+            views.append(
+                WorkerView(
+                    key=candidate.key,
+                    confirmed_depth=match.confirmed_depth if match else 0,
+                    predicted_depth=max(match.predicted_depth if match else 0,
+                                        local.get(candidate.key, 0)),
+                    load=load,
+                    pending_prefill_tokens=tokens,
+                    pending_requests=count,
+                    queue_len=candidate.queue_len,
+                )
+            )
         ranking = rank(ctx.num_prompt_tokens, views, self.settings.weights,
                        tie_key(ctx, views))
         ctx.new_tokens = {s.key: s.new_tokens for s in ranking}

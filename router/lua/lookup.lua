@@ -1,6 +1,7 @@
 -- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
 --   version ('' for none)
--- -> msgpack of {rv, the live workers holding block 1 (confirmed, predicted or by a tail; 2-byte ids),
+-- -> msgpack of {rv, the live workers holding block 1 (confirmed, predicted or by a tail;
+--     2-byte ids),
 --     {block, holders, block, holders, ...}: where the confirmed holders change along the walk,
 --     from block 1 ('' holders: nobody from there on), per rider 2-byte id | u32 predicted
 --     depth, lv, {2-byte id, load, ...} of the loads changed since the caller's version, 1 when
