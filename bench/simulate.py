@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from bench.workloads import Tokens, Trace
@@ -303,10 +304,7 @@ class Simulator:
         assert self.index is not None
         state = self.state
         ctx = state.context(req.key, req.tokens, None, now)
-        result = await self._lookup(ctx.chain, now)
-        while state.extend(ctx, result, now):  # someone may hold more than was hashed
-            if result is not None:
-                result = await self._lookup(ctx.chain, now)
+        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
         candidates = [Candidate(w.name, queue_len=w.ongoing) for w in self.workers]
         ranking = state.rank(req.key, ctx, candidates, result, now)
         best = ranking[0].key
@@ -625,7 +623,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    results = asyncio.run(run_all(args))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
+        results = runner.run(run_all(args))
     print(table(results))
     if args.out:
         Path(args.out).write_text(json.dumps(

@@ -174,10 +174,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             await self._maybe_check_workers(candidate_replicas, now)
         key = _request_key(pending_request)
         ctx = state.context(key, request.prompt_token_ids, request.cache_salt, now)
-        result = await self._lookup(ctx.chain, now)
-        while state.extend(ctx, result, now):  # someone may hold more than was hashed
-            if result is not None:
-                result = await self._lookup(ctx.chain, now)
+        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
         ranking = state.rank(key, ctx, self._candidates(candidate_replicas), result, now)
         best = ranking[0]
         state.note_routed(key, best.key, ctx, internal_request_id(pending_request), now)

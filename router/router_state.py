@@ -14,7 +14,7 @@ import hashlib
 import logging
 import struct
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -32,7 +32,7 @@ _MAX_CONTEXTS = 4096  # past this, contexts of requests cancelled before routing
 _CONTEXT_MAX_AGE_S = 60.0
 # A decision hashes the prompt's remembered blocks and this many tokens more at first (extend()
 # adds more where some worker may hold them all): a long prompt no one holds costs little.
-_FIRST_HASH_TOKENS = 4096
+_FIRST_HASH_TOKENS = 1024
 _MAX_ROUTED = 10_000  # past this, records of requests Serve never sent are dropped
 _ROUTED_MAX_AGE_S = 600.0
 
@@ -303,6 +303,19 @@ class RouterState:
         chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, budget=4 * n)[n:])
         ctx.complete = len(chain) == len(ctx.tokens) // self.settings.block_size
         return len(chain) > n
+
+    async def match(
+        self, ctx: RequestContext, lookup: Callable[[list[bytes]], Awaitable[LookupResult | None]],
+        now: float,
+    ) -> LookupResult | None:
+        """``lookup`` of the chain, hashed further and looked up again while some worker may hold
+        all of it (:meth:`extend`). The caller brings the I/O: the request router and the
+        simulator make the same lookups this way."""
+        result = await lookup(ctx.chain)
+        while self.extend(ctx, result, now):
+            if result is not None:  # None: no index answer to refine, the chain grows anyway
+                result = await lookup(ctx.chain)
+        return result
 
     def finish(self, ctx: RequestContext) -> None:
         """The rest of the chain, after the decision: the predicted entries and this router's

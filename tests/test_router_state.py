@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from router.blocks import hash_chain, namespace
@@ -147,7 +149,7 @@ def small_blocks_state() -> RouterState:
 
 def test_a_long_prompt_is_hashed_as_far_as_a_match_may_reach() -> None:
     st = small_blocks_state()
-    first = 4096 // 4  # _FIRST_HASH_TOKENS at 4-token blocks
+    first = 1024 // 4  # _FIRST_HASH_TOKENS at 4-token blocks
     ctx = st.context(1, LONG, None, now=0.0)
     chain = ctx.chain
     assert chain == LONG_CHAIN[:first] and not ctx.complete
@@ -156,8 +158,43 @@ def test_a_long_prompt_is_hashed_as_far_as_a_match_may_reach() -> None:
     assert st.extend(ctx, lookup(a=first), now=0.0)  # a worker holds all of it: hash 4x more
     assert ctx.chain is chain and chain == LONG_CHAIN[: 5 * first] and not ctx.complete
     assert st.extend(ctx, lookup(b=5 * first), now=0.0)
+    assert chain == LONG_CHAIN[: 25 * first] and not ctx.complete
+    assert st.extend(ctx, lookup(b=25 * first), now=0.0)
     assert chain == LONG_CHAIN and ctx.complete  # the rest, 12,000 blocks in all
     assert not st.extend(ctx, lookup(b=12000), now=0.0)  # complete: nothing more to hash
+
+
+def test_match_looks_up_again_while_a_worker_holds_all_that_was_hashed() -> None:
+    st = small_blocks_state()
+    seen: list[int] = []
+
+    async def holds_everything(chain: list[bytes]) -> LookupResult:
+        seen.append(len(chain))
+        return lookup(a=len(chain))
+
+    ctx = st.context(1, LONG, None, now=0.0)
+    result = asyncio.run(st.match(ctx, holds_everything, now=0.0))
+    assert seen == [256, 1280, 6400, 12000] and ctx.complete  # 4x more each time, then the rest
+    assert result is not None and result.matches["a"].confirmed_depth == 12000
+
+    async def holds_the_first_half(chain: list[bytes]) -> LookupResult:
+        seen.append(len(chain))
+        return lookup(a=len(chain) // 2)
+
+    seen.clear()
+    st = small_blocks_state()  # a memo that has not seen LONG
+    ctx = st.context(2, LONG, None, now=0.0)
+    asyncio.run(st.match(ctx, holds_the_first_half, now=0.0))
+    assert seen == [256] and not ctx.complete  # nobody reaches the end: one lookup
+
+    async def unavailable(chain: list[bytes]) -> None:
+        seen.append(len(chain))
+
+    seen.clear()
+    st = small_blocks_state()
+    ctx = st.context(3, LONG, None, now=0.0)
+    assert asyncio.run(st.match(ctx, unavailable, now=0.0)) is None
+    assert seen == [256] and len(ctx.chain) == 256  # no answer: nothing to hash further for
 
 
 def test_the_rest_is_hashed_after_the_decision_in_place() -> None:
@@ -167,7 +204,7 @@ def test_the_rest_is_hashed_after_the_decision_in_place() -> None:
     st.looked_up(lookup(a=0))
     st.rank(1, ctx, ABC, lookup(a=0), now=0.0)
     st.note_routed(1, "a", ctx, "r1", now=0.0)
-    assert st.local.num_blocks == len(chain) == 1024
+    assert st.local.num_blocks == len(chain) == 256
     prediction = st.sent(1, "a", "r1", now=0.0)
     assert chain == LONG_CHAIN and prediction == Prediction(LONG_CHAIN, 1, 0)
     assert st.routed[1].chain is chain  # what later requests share with it: all of it
