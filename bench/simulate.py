@@ -18,7 +18,8 @@ the prefix-cache hit rate against the merged-cache ceiling (one LRU pool the siz
 cluster taking the prompts in arrival order: no router can do better without more memory),
 TTFT percentiles, worker busy-time imbalance (max / mean) and the router's decision time (wall
 clock, hashing + index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric
-measures).
+measures). With the prefix policy it also prints what a Redis PING costs on this machine back to
+back and after 3 ms of work (:mod:`bench.round_trip`): the floor under every decision's lookup.
 
 Departures from the live system, by design: leases and predicted entries expire in Redis' wall
 time, so leases are set long (``LEASE_TTL_S``) and routing-time predictions stay in the
@@ -50,6 +51,8 @@ import numpy as np
 import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
+from bench.round_trip import RoundTrips
+from bench.round_trip import measure as measure_round_trips
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
@@ -539,7 +542,9 @@ def table(results: Sequence[RunResult]) -> str:
                      for row in rows)
 
 
-async def run_all(args: argparse.Namespace) -> list[RunResult]:
+async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips | None]:
+    """The runs, and (where the prefix policy ran) what a Redis round trip costs here, to read
+    the decision times against."""
     profile = profile_for(args.profile)
     config = EngineConfig(
         block_size=args.block_size, num_blocks=args.num_blocks,
@@ -567,10 +572,12 @@ async def run_all(args: argparse.Namespace) -> list[RunResult]:
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
+        trips = (await asyncio.to_thread(measure_round_trips, redis_url)
+                 if "prefix" in policies else None)
     finally:
         if redis is not None:
             redis.close()
-    return results
+    return results, trips
 
 
 def _named_value(text: str, flag: str, names: Sequence[str]) -> tuple[str, str]:
@@ -624,11 +631,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
-        results = runner.run(run_all(args))
+        results, trips = runner.run(run_all(args))
     print(table(results))
+    if trips is not None:
+        print(trips.line())
     if args.out:
         Path(args.out).write_text(json.dumps(
-            {"args": vars(args), "runs": [asdict(r) for r in results]}, indent=2))
+            {"args": vars(args), "runs": [asdict(r) for r in results],
+             "round_trips": asdict(trips) if trips is not None else None}, indent=2))
 
 
 if __name__ == "__main__":

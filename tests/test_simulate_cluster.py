@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from bench.round_trip import RoundTrips
 from bench.simulate import (
     LEASE_TTL_S,
     SimRequest,
     Simulator,
     fresh,
+    main,
     parse_router_setting,
     parse_weight,
     simulate,
@@ -123,3 +125,26 @@ def test_weight_option_parses_and_refuses_unknown_names() -> None:
     assert parse_router_setting("max_match_tokens=64") == ("max_match_tokens", 64)
     with pytest.raises(argparse.ArgumentTypeError, match="hash_memo_tokens"):
         parse_router_setting("lookup_deadline_s=1")
+
+
+@pytest.mark.parametrize(("policy", "measured"), [("prefix", True), ("round_robin", False)])
+def test_cli_writes_the_runs_and_the_round_trips_beside_them(
+    redis_server, tmp_path, capsys, policy: str, measured: bool
+) -> None:
+    trace = conversation_rows(tmp_path / "rows.jsonl", 12)
+    out = tmp_path / "sim.json"
+    main(["--workers", "2", "--policy", policy, "--trace", str(trace), "--max-input", "1024",
+          "--max-output", "8", "--num-blocks", "256", "--redis-url", redis_server.url,
+          "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert [(r["policy"], r["workers"], r["requests"]) for r in report["runs"]] == [
+        (policy, 2, 12)]
+    printed = capsys.readouterr().out
+    trips = report["round_trips"]
+    if not measured:  # no index, no round trip to read the decisions against
+        assert trips is None and "PING" not in printed
+        return
+    assert trips["work_ms"] == 3.0
+    assert 0 < trips["back_to_back_p50_ms"] <= trips["back_to_back_p99_ms"]
+    assert 0 < trips["after_work_p50_ms"] <= trips["after_work_p99_ms"]
+    assert printed.splitlines()[-1] == RoundTrips(**trips).line()
