@@ -234,3 +234,22 @@ def test_untied_workers_rank_by_cost() -> None:
     workers = [WorkerView("a", queue_len=30), WorkerView("b", queue_len=10),
                WorkerView("c", queue_len=20)]
     assert [s.key for s in rank(16, workers, CFG)] == ["b", "c", "a"]
+
+
+def test_a_tie_after_a_distinct_best_is_ordered_by_rendezvous() -> None:
+    # "a" leads on depth; "b" and "c" tie on every key after it, so the hash orders them (here
+    # against their order in the list)
+    key = next(f"k{i}".encode() for i in range(100)
+               if ref_rendezvous(f"k{i}".encode(), "c") > ref_rendezvous(f"k{i}".encode(), "b"))
+    workers = [WorkerView("a", confirmed_depth=2), WorkerView("b"), WorkerView("c")]
+    assert [s.key for s in rank(100, workers, CFG, key)] == ["a", "c", "b"]
+
+
+def test_absurd_reported_counts_rank_last_and_break_nothing() -> None:
+    huge = WorkerLoad(num_running=10**30, queued_prefill_tokens=10**30, kv_empty_blocks=10**30)
+    near = WorkerLoad(num_running=2**63)  # past a signed 64-bit integer
+    ranking = rank(100, [WorkerView("huge", load=huge), WorkerView("idle"),
+                         WorkerView("near", load=near)], CFG)
+    assert [s.key for s in ranking] == ["idle", "near", "huge"]
+    assert ranking[2].cost_s == pytest.approx(10**30 / 4000 + 2 * 100 / 4000 + 0.5 * 10**30 / 1000)
+    assert all(type(s.cost_s) is float and type(s.matched_blocks) is int for s in ranking)
