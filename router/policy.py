@@ -134,13 +134,6 @@ def _cached(confirmed: np.ndarray, predicted: np.ndarray, num_prompt_tokens: int
     return np.maximum(0.0, np.minimum(blocks * config.block_size, num_prompt_tokens - 1))
 
 
-def cached_tokens(view: WorkerView, num_prompt_tokens: int, config: PolicyConfig) -> float:
-    """Expected cached prompt tokens on one worker (predicted blocks discounted)."""
-    one = _cached(np.array([view.confirmed_depth]), np.array([view.predicted_depth]),
-                  num_prompt_tokens, config)
-    return float(one[0])
-
-
 def reference_prefill_rate(workers: Sequence[WorkerView], config: PolicyConfig) -> float:
     """Mean measured prefill rate, or the default when no worker has measured one."""
     rates = [w.load.prefill_tokens_per_s for w in workers if w.load and w.load.prefill_tokens_per_s]

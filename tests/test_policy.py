@@ -7,9 +7,14 @@ from collections import Counter
 import pytest
 
 from router.events import WorkerLoad
-from router.policy import PolicyConfig, WorkerView, cached_tokens, rank, rendezvous
+from router.policy import PolicyConfig, WorkerView, rank, rendezvous, score
 
 CFG = PolicyConfig(block_size=16, default_prefill_tokens_per_s=4000.0)
+
+
+def cached(view: WorkerView, prompt: int) -> float:
+    """The expected cached tokens of one worker (its Score's; the reference rate plays no part)."""
+    return score(view, prompt, CFG, 4000.0).cached_tokens
 PROMPT = 16 * 20 + 8  # a 20-block shared prefix plus an 8-token question
 
 
@@ -110,8 +115,8 @@ def test_death_spiral_does_not_form_under_sustained_imbalance() -> None:
 
 def test_predicted_depth_is_credited_but_discounted() -> None:
     # predicted_depth counts confirmed OR predicted blocks (>= confirmed_depth)
-    assert cached_tokens(WorkerView("a", predicted_depth=10), 1000, CFG) == pytest.approx(152.0)
-    assert cached_tokens(WorkerView("a", confirmed_depth=4, predicted_depth=10), 1000, CFG) == (
+    assert cached(WorkerView("a", predicted_depth=10), 1000) == pytest.approx(152.0)
+    assert cached(WorkerView("a", confirmed_depth=4, predicted_depth=10), 1000) == (
         pytest.approx(64 + 0.95 * 96)
     )
     # A predicted prefix beats no prefix at all ...
@@ -124,7 +129,7 @@ def test_predicted_depth_is_credited_but_discounted() -> None:
 
 def test_last_prompt_token_is_never_counted_as_cached() -> None:
     full = WorkerView("a", confirmed_depth=4)
-    assert cached_tokens(full, 64, CFG) == 63
+    assert cached(full, 64) == 63
     assert rank(64, [full], CFG)[0].uncached_tokens == 1
 
 

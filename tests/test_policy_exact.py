@@ -13,7 +13,6 @@ from router.policy import (
     Score,
     WorkerView,
     _weight,
-    cached_tokens,
     rank,
     reference_prefill_rate,
     rendezvous,
@@ -23,6 +22,11 @@ from router.policy import (
 # block 16, prefill 4000/s, decode 1000/s, credit 0.95; uncached 2, decode 0.5, no eviction term
 # (the formulas below are written for these; the eviction term has its own tests)
 CFG = PolicyConfig(uncached_weight=2.0, eviction_weight=0.0)
+
+
+def cached(view: WorkerView, prompt: int) -> float:
+    """The expected cached tokens of one worker (its Score's; the reference rate plays no part)."""
+    return score(view, prompt, CFG, 4000.0).cached_tokens
 
 
 BAD_WEIGHTS = "uncached_weight must be >= 1, decode_weight and eviction_weight >= 0"
@@ -96,10 +100,10 @@ def test_reference_rate_is_the_mean_of_measured_rates() -> None:
 
 def test_cached_tokens_credit_and_caps() -> None:
     view = WorkerView("a", confirmed_depth=2, predicted_depth=6)
-    assert cached_tokens(view, 1000, CFG) == pytest.approx(16 * (2 + 0.95 * 4))
-    assert cached_tokens(view, 40, CFG) == 39  # the last prompt token is always computed
-    assert cached_tokens(WorkerView("a", confirmed_depth=3, predicted_depth=1), 1000, CFG) == 48
-    assert cached_tokens(WorkerView("a"), 1, CFG) == 0.0
+    assert cached(view, 1000) == pytest.approx(16 * (2 + 0.95 * 4))
+    assert cached(view, 40) == 39  # the last prompt token is always computed
+    assert cached(WorkerView("a", confirmed_depth=3, predicted_depth=1), 1000) == 48
+    assert cached(WorkerView("a"), 1) == 0.0
 
 
 def test_score_without_load_report() -> None:
