@@ -50,9 +50,10 @@ key (``router.router_state.tie_key``: the first block no worker holds).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import pairwise
+from functools import lru_cache
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -134,15 +135,69 @@ def _cached(confirmed: np.ndarray, predicted: np.ndarray, num_prompt_tokens: int
     return np.maximum(0.0, np.minimum(blocks * config.block_size, num_prompt_tokens - 1))
 
 
-def reference_prefill_rate(workers: Sequence[WorkerView], config: PolicyConfig) -> float:
+def reference_prefill_rate(loads: Sequence[WorkerLoad | None], config: PolicyConfig) -> float:
     """Mean measured prefill rate, or the default when no worker has measured one."""
-    rates = [w.load.prefill_tokens_per_s for w in workers if w.load and w.load.prefill_tokens_per_s]
+    rates = [load.prefill_tokens_per_s for load in loads if load and load.prefill_tokens_per_s]
     return sum(rates) / len(rates) if rates else config.default_prefill_tokens_per_s
 
 
 # A worker that has not reported: nothing queued, running or free that we know of, rates unmeasured
-# (so the reference and default rates apply): what the cost model assumes without a load.
-_UNREPORTED = WorkerLoad()
+# (so the reference and default rates apply), busy (never ahead of an idle one in a tie): what
+# the cost model assumes without a load.
+_UNREPORTED = WorkerLoad(busy_share=1.0)
+# The load fields the cost model reads, in one float row per worker: one array for the fleet.
+_LOAD_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "queued_prefill_tokens",
+                "num_running", "kv_empty_blocks", "num_waiting", "busy_share")
+_LOAD_COLUMNS = attrgetter(*_LOAD_FIELDS)
+
+
+@dataclass(slots=True)
+class Fleet:
+    """The workers of one decision as columns, one entry per worker in the caller's order:
+    what :class:`WorkerView` holds per worker. A router ranks every replica on every decision,
+    and at 1,000 workers a record per worker costs more to make and read back than the model
+    costs to compute."""
+
+    keys: Sequence[str]
+    confirmed: Sequence[int]
+    predicted: Sequence[int]
+    loads: Sequence[WorkerLoad | None]
+    pending_tokens: Sequence[int]
+    pending_requests: Sequence[int]
+    queue_len: Sequence[int]  # 0 where Serve's count is unknown
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[tuple[str, int, int, WorkerLoad | None, int, int, int]],
+                ) -> Fleet:
+        """From one (key, confirmed, predicted, load, pending tokens, pending requests, queue
+        length) tuple per worker; raises ValueError on a row of another length."""
+        return cls(*(tuple(zip(*rows, strict=True)) or ((),) * 7))
+
+    @classmethod
+    def of(cls, views: Sequence[WorkerView]) -> Fleet:
+        return cls.of_rows([(v.key, v.confirmed_depth, v.predicted_depth, v.load,
+                             v.pending_prefill_tokens, v.pending_requests, v.queue_len or 0)
+                            for v in views])
+
+
+class Ranking:
+    """Workers best first: the first is the choice, the rest are the fallbacks. Held as
+    columns, and a :class:`Score` is made only for the entries read (a decision reads one)."""
+
+    def __init__(self, keys: list[str], cost: list[float], cached: list[float],
+                 uncached: list[float], depth: list[int], new_tokens: list[int]) -> None:
+        self.keys, self.cost, self.cached, self.uncached = keys, cost, cached, uncached
+        self.depth, self.new_tokens = depth, new_tokens
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __getitem__(self, i: int) -> Score:
+        return Score(self.keys[i], self.cost[i], self.cached[i], self.uncached[i],
+                     self.depth[i], self.new_tokens[i])
+
+    def __iter__(self) -> Iterator[Score]:
+        return (self[i] for i in range(len(self)))
 
 
 @dataclass
@@ -154,88 +209,95 @@ class _Costs:
     uncached: np.ndarray
     depth: np.ndarray
     new_tokens: np.ndarray
+    # The busy share where nothing waits (1.0 otherwise): it orders ties between workers with
+    # room, and not between saturated ones, where the queues decide.
+    idle_busy_share: np.ndarray
 
-    def scores(self, workers: Sequence[WorkerView], order: Sequence[int]) -> list[Score]:
-        """The workers' Scores, in ``order`` (indices into ``workers``)."""
-        cost, cached, uncached = self.cost.tolist(), self.cached.tolist(), self.uncached.tolist()
-        depth, new_tokens = self.depth.tolist(), self.new_tokens.tolist()
-        return [Score(workers[i].key, cost[i], cached[i], uncached[i], depth[i], new_tokens[i])
-                for i in order]
+    def ranking(self, keys: Sequence[str], order: np.ndarray) -> Ranking:
+        """The workers in ``order`` (indices into ``keys``)."""
+        return Ranking([keys[i] for i in order.tolist()], self.cost[order].tolist(),
+                       self.cached[order].tolist(), self.uncached[order].tolist(),
+                       self.depth[order].tolist(), self.new_tokens[order].tolist())
 
 
-def _costs(
-    workers: Sequence[WorkerView], num_prompt_tokens: int, config: PolicyConfig, ref_rate: float
-) -> _Costs:
+def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate: float) -> _Costs:
     """Every worker's cost as arrays over the fleet: a router scores every replica on every
     decision, and one interpreted pass per worker cost ~6 ms a decision at 1,000 workers."""
-    loads = [w.load or _UNREPORTED for w in workers]
-    confirmed = np.array([w.confirmed_depth for w in workers])
-    predicted = np.array([w.predicted_depth for w in workers])
+    table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in fleet.loads], dtype=float)
+    table = table.reshape(len(fleet.loads), len(_LOAD_FIELDS))  # (0, 7) for no workers
+    prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy = table.T
+    confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
     cached = _cached(confirmed, predicted, num_prompt_tokens, config)
     uncached = num_prompt_tokens - cached
     depth = np.maximum(confirmed, predicted)
-    prefill_rate = np.array([load.prefill_tokens_per_s or ref_rate for load in loads])
-    decode_rate = np.maximum([load.decode_tokens_per_s for load in loads],
-                             config.default_decode_tokens_per_s)
-    queued = (np.array([load.queued_prefill_tokens for load in loads])
-              + [w.pending_prefill_tokens for w in workers])
-    running = np.maximum(np.array([load.num_running for load in loads])
-                         + [w.pending_requests for w in workers],
-                         [w.queue_len or 0 for w in workers])
-    empty = np.array([load.kv_empty_blocks for load in loads]) * config.block_size
+    prefill_rate = np.where(prefill_rate > 0, prefill_rate, ref_rate)
+    decode_rate = np.maximum(decode_rate, config.default_decode_tokens_per_s)
+    pending = np.array(fleet.pending_requests)
+    queued = reported_queue + fleet.pending_tokens
+    running = np.maximum(reported_running + pending, fleet.queue_len)
+    empty *= config.block_size
     evicted = np.maximum(0.0, uncached - np.maximum(0, empty - queued))  # queued work fills first
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
     cost += config.eviction_weight * evicted / ref_rate
     cost += config.decode_weight * running / decode_rate
     new_tokens = num_prompt_tokens - np.minimum(depth * config.block_size, num_prompt_tokens - 1)
-    return _Costs(cost, cached, uncached, depth, new_tokens)
+    idle = (waiting == 0) & (reported_queue == 0) & (pending == 0)
+    busy = np.where(idle, np.minimum(busy, 1.0), 1.0)
+    return _Costs(cost, cached, uncached, depth, new_tokens, busy)
 
 
 def score(
     view: WorkerView, num_prompt_tokens: int, config: PolicyConfig, ref_rate: float
 ) -> Score:
     """One worker's cost (what :func:`rank` computes for all of them at once)."""
-    return _costs([view], num_prompt_tokens, config, ref_rate).scores([view], [0])[0]
+    return _costs(Fleet.of([view]), num_prompt_tokens, config, ref_rate).ranking(
+        [view.key], np.arange(1))[0]
+
+
+@lru_cache(maxsize=65_536)
+def _worker_hash(worker_key: str) -> int:
+    """A worker key's 64 bits for :func:`rendezvous` (cached: a decision needs every worker's)."""
+    return int.from_bytes(hashlib.blake2b(worker_key.encode(), digest_size=8).digest(), "big")
+
+
+_M1, _M2, _33 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(33)
+
+
+def _rendezvous(tie_key: bytes, worker_keys: Sequence[str]) -> np.ndarray:
+    """Every worker's rendezvous weight for ``tie_key`` at once: the key's BLAKE2b-64 XOR the
+    worker's, through MurmurHash3's 64-bit finalizer (a bijection that spreads every input bit
+    over the output), so a tie among 1,000 idle workers costs no hash call per worker."""
+    tie = int.from_bytes(hashlib.blake2b(tie_key, digest_size=8).digest(), "big")
+    z = np.array([_worker_hash(k) for k in worker_keys], dtype=np.uint64) ^ np.uint64(tie)
+    z ^= z >> _33
+    z *= _M1
+    z ^= z >> _33
+    z *= _M2
+    z ^= z >> _33
+    return z
 
 
 def rendezvous(tie_key: bytes, worker_key: str) -> int:
-    """Stable across processes (unlike ``hash()``): every router breaks a tie the same way."""
-    digest = hashlib.blake2b(tie_key + b"\x00" + worker_key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
-
-
-def idle_busy_share(view: WorkerView) -> float:
-    """The worker's busy share when nothing waits there (1.0 otherwise): it orders ties
-    between workers with room, and not between saturated ones, where the queues decide."""
-    load = view.load
-    if load is None or load.num_waiting or load.queued_prefill_tokens or view.pending_requests:
-        return 1.0
-    return min(load.busy_share, 1.0)
+    """The weight of ``worker_key`` for ``tie_key``; the tied worker with the highest goes
+    first. Stable across processes (unlike ``hash()``): every router breaks a tie the same way."""
+    return int(_rendezvous(tie_key, [worker_key])[0])
 
 
 def rank(
     num_prompt_tokens: int,
-    workers: Sequence[WorkerView],
+    workers: Sequence[WorkerView] | Fleet,
     config: PolicyConfig,
     tie_key: bytes = b"",
-) -> list[Score]:
+) -> Ranking:
     """All workers, best first. The first entry is the choice; the rest are the fallbacks."""
     if num_prompt_tokens < 1:
         raise ValueError("a request has at least one prompt token")
-    if not workers:
-        return []
-    costs = _costs(workers, num_prompt_tokens, config, reference_prefill_rate(workers, config))
+    fleet = workers if isinstance(workers, Fleet) else Fleet.of(workers)
+    costs = _costs(fleet, num_prompt_tokens, config, reference_prefill_rate(fleet.loads, config))
     cost = costs.cost
     # Tied workers rank by depth, busy share, hash, not cost: load noise must not flip it. A cost
     # is positive (the last prompt token is always computed), so 0.0 puts the tied first.
-    keys = np.stack([np.where(cost <= cost.min() + config.tie_tolerance_s, 0.0, cost),
-                     -costs.depth, [idle_busy_share(w) for w in workers]])
-    order = np.lexsort(keys[::-1])  # the first key decides first; equal keys keep their order
-    ordered = keys[:, order]
-    changes = np.flatnonzero((ordered[:, 1:] != ordered[:, :-1]).any(axis=0)) + 1
-    ranking = costs.scores(workers, order.tolist())
-    for start, end in pairwise([0, *changes.tolist(), len(ranking)]):
-        group = ranking[start:end]
-        if len(group) >= 2:  # equal in every key: the hash decides
-            ranking[start:end] = sorted(group, key=lambda s: -rendezvous(tie_key, s.key))
-    return ranking
+    tied = np.where(cost <= cost.min(initial=np.inf) + config.tie_tolerance_s, 0.0, cost)
+    weight = _rendezvous(tie_key, fleet.keys)
+    order = np.lexsort((~weight, costs.idle_busy_share, -costs.depth, tied))  # the last key first
+    return costs.ranking(fleet.keys, order)

@@ -183,7 +183,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         by_key = {replica_key(r): r for r in candidate_replicas}
         tiers = [[by_key[best.key]]]
         if len(ranking) > 1:
-            tiers.append([by_key[s.key] for s in ranking[1:]])
+            tiers.append([by_key[k] for k in ranking.keys[1:]])
         return tiers
 
     def _candidates(self, replicas: list[RunningReplica]) -> list[Candidate]:

@@ -3,9 +3,10 @@
 :class:`RouterState` holds one router's bookkeeping: each pending request's hashed chain, what
 it routed and where (until the worker's reported load covers it), its own recent decisions
 (:class:`LocalPredictions`), the last loads it saw, whether the workers are compatible and
-whether the index is in fail-open backoff. From that and an index lookup it builds the
-:class:`router.policy.WorkerView` s and ranks them. :mod:`router.request_router` only adapts
-Serve's calls to it and does the index I/O, so every decision here is testable on plain values.
+whether the index is in fail-open backoff. From that and an index lookup it builds the fleet's
+columns (:class:`router.policy.Fleet`) and ranks them. :mod:`router.request_router` only
+adapts Serve's calls to it and does the index I/O, so every decision here is testable on plain
+values.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import hashlib
 import logging
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -23,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from router.blocks import DEFAULT_BLOCK_SIZE, ChainMemo, namespace
 from router.events import WorkerLoad
 from router.index import IndexSettings, LookupResult, WorkerInfo, WorkerMatch
-from router.policy import PolicyConfig, Score, WorkerView, rank
+from router.policy import Fleet, PolicyConfig, Ranking, rank
 
 logger = logging.getLogger("ray.serve")
 
@@ -123,6 +125,52 @@ class Routed:
         return max(0, self.new_tokens - overlap)
 
 
+class InFlight:
+    """The requests this router sent, by key and by replica: a decision reads only its
+    candidates' own (a pass over every request in flight cost ~2 ms a decision at 1,000
+    replicas). Both maps hold the same records; only these methods change them."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[int, Routed] = {}
+        self._by_worker: dict[str, dict[int, Routed]] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._by_key)
+
+    def __getitem__(self, key: int) -> Routed:
+        return self._by_key[key]
+
+    def get(self, key: int) -> Routed | None:
+        return self._by_key.get(key)
+
+    def values(self) -> Iterable[Routed]:
+        return self._by_key.values()
+
+    def on(self, worker: str) -> Mapping[int, Routed]:
+        """The requests in flight on ``worker``, by key (do not mutate)."""
+        return self._by_worker.get(worker, _NONE_ROUTED)
+
+    def add(self, key: int, routed: Routed) -> None:
+        self.pop(key)
+        self._by_key[key] = routed
+        self._by_worker.setdefault(routed.worker, {})[key] = routed
+
+    def pop(self, key: int) -> Routed | None:
+        routed = self._by_key.pop(key, None)
+        if routed is not None:
+            on = self._by_worker[routed.worker]
+            del on[key]
+            if not on:
+                del self._by_worker[routed.worker]
+        return routed
+
+
+_NONE_ROUTED: Mapping[int, Routed] = MappingProxyType({})
+
+
 @dataclass
 class RequestContext:
     """Per pending request, so retries never re-hash the prompt."""
@@ -139,9 +187,9 @@ class RequestContext:
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
 
 
-def tie_key(ctx: RequestContext, views: Sequence[WorkerView]) -> bytes:
+def tie_key(ctx: RequestContext, deepest: int) -> bytes:
     """The key that orders tied workers: the chain's first block no worker holds (its last
-    block when some worker holds it all).
+    block when some worker holds it all), given the ``deepest`` match (blocks) of any worker.
 
     Requests that share their new content up to there break ties alike in every router, so a
     burst with one new prefix converges on one worker; requests that differ right after a
@@ -150,7 +198,6 @@ def tie_key(ctx: RequestContext, views: Sequence[WorkerView]) -> bytes:
     """
     if not ctx.chain:
         return ctx.tie_key
-    deepest = max((max(v.confirmed_depth, v.predicted_depth) for v in views), default=0)
     return ctx.chain[min(deepest, len(ctx.chain) - 1)]
 
 
@@ -247,7 +294,7 @@ class RouterState:
         self.next_check = 0.0
         self.local = LocalPredictions((index or IndexSettings()).predict_ttl_s)
         self.contexts: dict[int, RequestContext] = {}
-        self.routed: dict[int, Routed] = {}
+        self.routed = InFlight()
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
         run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
@@ -331,7 +378,7 @@ class RouterState:
         candidates: Sequence[Candidate],
         result: LookupResult | None,
         now: float,
-    ) -> list[Score]:
+    ) -> Ranking:
         """All candidates, best first, from the lookup (None: by load only), this router's own
         recent decisions and the work it sent that the reported loads do not cover yet."""
         matches = result.matches if result is not None else {}
@@ -339,33 +386,27 @@ class RouterState:
         if result is not None:
             ctx.confirmed = {k: m.confirmed_depth for k, m in matches.items()}
         local = self.local.depths(ctx.chain, now) if ctx.chain else {}
-        pending = self.pending_by_worker(exclude=key)
-        views = []
+        rows = []
         for candidate in candidates:
-            match = matches.get(candidate.key)
-            load = self.load_for(candidate, match, now, indexed=indexed.get(candidate.key))
+            worker = candidate.key
+            match = matches.get(worker)
+            load = self.load_for(candidate, match, now, indexed=indexed.get(worker))
             tokens, count = 0, 0
             since = load.timestamp if load is not None else 0.0
-            for routed in pending.get(candidate.key, ()):
-                if routed.routed_at > since:
+            for other, routed in self.routed.on(worker).items():
+                if routed.routed_at > since and other != key:
                     tokens += routed.unshared_tokens(ctx.chain, self.settings.block_size)
                     count += 1
-            views.append(
-                WorkerView(
-                    key=candidate.key,
-                    confirmed_depth=match.confirmed_depth if match else 0,
-                    predicted_depth=max(match.predicted_depth if match else 0,
-                                        local.get(candidate.key, 0)),
-                    load=load,
-                    pending_prefill_tokens=tokens,
-                    pending_requests=count,
-                    queue_len=candidate.queue_len,
-                )
-            )
-        ranking = rank(ctx.num_prompt_tokens, views, self.settings.weights,
-                       tie_key(ctx, views))
-        ctx.new_tokens = {s.key: s.new_tokens for s in ranking}
-        ctx.depth = {s.key: s.matched_blocks for s in ranking}
+            confirmed, predicted = ((match.confirmed_depth, match.predicted_depth) if match
+                                    else (0, 0))
+            rows.append((worker, confirmed, max(predicted, local.get(worker, 0)), load,
+                         tokens, count, candidate.queue_len or 0))
+        fleet = Fleet.of_rows(rows)
+        deepest = max(max(fleet.confirmed, default=0), max(fleet.predicted, default=0))
+        ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
+                       tie_key(ctx, deepest))
+        ctx.new_tokens = dict(zip(ranking.keys, ranking.new_tokens, strict=True))
+        ctx.depth = dict(zip(ranking.keys, ranking.depth, strict=True))
         return ranking
 
     def note_routed(
@@ -380,12 +421,12 @@ class RouterState:
         self, key: int, worker: str, ctx: RequestContext, internal_id: str, now: float
     ) -> None:
         tokens = ctx.new_tokens.get(worker, ctx.num_prompt_tokens)
-        self.routed[key] = Routed(worker, now, tokens, ctx.chain, ctx.depth.get(worker, 0),
-                                  internal_id)
+        self.routed.add(key, Routed(worker, now, tokens, ctx.chain, ctx.depth.get(worker, 0),
+                                    internal_id))
         if len(self.routed) > _MAX_ROUTED:
-            for stale in [k for k, r in self.routed.items()
-                          if now - r.routed_at > _ROUTED_MAX_AGE_S]:
-                del self.routed[stale]
+            for stale in [k for k in self.routed
+                          if now - self.routed[k].routed_at > _ROUTED_MAX_AGE_S]:
+                self.routed.pop(stale)
 
     def outcome(self, key: int, worker: str) -> Outcome | None:
         """How a request Serve is sending to ``worker`` fares against its deepest cached prefix
@@ -421,18 +462,10 @@ class RouterState:
         return None
 
     def completed(self, worker: str, internal_id: str) -> None:
-        for key, routed in self.routed.items():
-            if routed.internal_id == internal_id and routed.worker == worker:
-                del self.routed[key]
+        for key, routed in self.routed.on(worker).items():
+            if routed.internal_id == internal_id:
+                self.routed.pop(key)
                 return
-
-    def pending_by_worker(self, exclude: int) -> dict[str, list[Routed]]:
-        """In-flight requests per worker, except the one being (re)routed."""
-        out: dict[str, list[Routed]] = {}
-        for key, routed in self.routed.items():
-            if key != exclude:
-                out.setdefault(routed.worker, []).append(routed)
-        return out
 
     def load_for(
         self, candidate: Candidate, match: WorkerMatch | None, now: float,

@@ -60,7 +60,7 @@ def test_hot_prefix_spills_when_holder_is_saturated_then_sticks_to_the_two() -> 
     hot = [
         WorkerView("a", confirmed_depth=20, load=load(running=60, waiting=30, queued=9000)),
         WorkerView("b", load=load(running=2)),
-        WorkerView("c", load=load(running=3)),
+        WorkerView("c", load=load(running=5)),  # 1.5 ms more decode work: past the tolerance
     ]
     assert choice(hot) == "b"  # spill to the least loaded, not collapse onto "a"
     # "b" now caches the prefix as well; "c" is slightly less loaded but has nothing cached:
@@ -241,7 +241,7 @@ def test_busy_share_orders_only_ties_between_workers_with_nothing_waiting(backlo
 
 
 def test_rank_rejects_empty_prompt_and_handles_no_workers() -> None:
-    assert rank(10, [], CFG) == []
+    assert list(rank(10, [], CFG)) == []
     with pytest.raises(ValueError):
         rank(0, [WorkerView("a")], CFG)
     with pytest.raises(ValueError):

@@ -9,6 +9,7 @@ import pytest
 
 from router.events import WorkerLoad
 from router.policy import (
+    Fleet,
     PolicyConfig,
     Score,
     WorkerView,
@@ -33,8 +34,16 @@ BAD_WEIGHTS = "uncached_weight must be >= 1, decode_weight and eviction_weight >
 
 
 def ref_rendezvous(tie_key: bytes, worker_key: str) -> int:
-    digest = hashlib.blake2b(tie_key + b"\x00" + worker_key.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big")
+    """BLAKE2b-64 of the key XOR that of the worker, through MurmurHash3's fmix64, in plain ints."""
+    def b64(data: bytes) -> int:
+        return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+    z, mask = b64(tie_key) ^ b64(worker_key.encode()), 2**64 - 1
+    z ^= z >> 33
+    z = z * 0xFF51AFD7ED558CCD & mask
+    z ^= z >> 33
+    z = z * 0xC4CEB9FE1A85EC53 & mask
+    return z ^ z >> 33
 
 
 def test_weight_fields_carry_default_and_description() -> None:
@@ -93,8 +102,9 @@ def test_reference_rate_is_the_mean_of_measured_rates() -> None:
         WorkerView("c", load=WorkerLoad()),  # unmeasured: left out
         WorkerView("d"),
     ]
-    assert reference_prefill_rate(views, CFG) == 2000.0
-    assert reference_prefill_rate(views[2:], CFG) == 4000.0
+    loads = [v.load for v in views]
+    assert reference_prefill_rate(loads, CFG) == 2000.0
+    assert reference_prefill_rate(loads[2:], CFG) == 4000.0
     assert reference_prefill_rate([], PolicyConfig(default_prefill_tokens_per_s=7.0)) == 7.0
 
 
@@ -164,11 +174,33 @@ def test_new_tokens(confirmed: int, predicted: int, prompt: int, new_tokens: int
     assert score(view, prompt, CFG, 4000.0).new_tokens == new_tokens
 
 
-def test_rendezvous_is_blake2b_64_big_endian() -> None:
-    for tie_key, worker in [(b"", "a"), (b"prefix", "worker-1"), (b"\x00" * 16, "w")]:
+def test_rendezvous_mixes_both_blake2b_64s() -> None:
+    for tie_key, worker in [(b"", "a"), (b"prefix", "worker-1"), (b"\x00" * 16, "w"),
+                            (b"\xff" * 16, "replica-\u00e9")]:
         assert rendezvous(tie_key, worker) == ref_rendezvous(tie_key, worker)
-    assert rendezvous(b"ab", "c") != rendezvous(b"a", "bc")  # the separator matters
-    assert rendezvous(b"x", "a") < 2**64
+    assert rendezvous(b"ab", "c") != rendezvous(b"a", "bc")  # each is hashed on its own
+    assert type(rendezvous(b"x", "a")) is int
+
+
+def test_a_fleet_of_columns_ranks_as_its_views_do() -> None:
+    views = [WorkerView("a", 1, 2, WorkerLoad(num_running=2, busy_share=0.5), 16, 1, 3),
+             WorkerView("b", 0, 0, None, 0, 0, None), WorkerView("c", 3, 3)]
+    rows = [("a", 1, 2, views[0].load, 16, 1, 3), ("b", 0, 0, None, 0, 0, 0),
+            ("c", 3, 3, None, 0, 0, 0)]
+    fleet = Fleet.of_rows(rows)
+    assert fleet == Fleet.of(views)
+    assert fleet.keys == ("a", "b", "c") and fleet.queue_len == (3, 0, 0)
+    assert list(rank(100, fleet, CFG, b"k")) == list(rank(100, views, CFG, b"k"))
+    assert rank(100, fleet, CFG, b"k").keys == ["c", "a", "b"]
+    with pytest.raises(ValueError):
+        Fleet.of_rows([rows[0], ("d", 0, 0)])
+    empty = rank(10, Fleet.of_rows([]), CFG)
+    assert len(empty) == 0 and list(empty) == [] and empty.keys == []
+
+
+def test_a_measured_rate_below_one_token_a_second_is_still_measured() -> None:
+    slow = WorkerView("w", load=WorkerLoad(queued_prefill_tokens=1, prefill_tokens_per_s=0.5))
+    assert score(slow, 100, CFG, 4000.0).cost_s == pytest.approx(1 / 0.5 + 2 * 100 / 4000)
 
 
 def test_rank_validates_prompt_length() -> None:
@@ -257,3 +289,7 @@ def test_absurd_reported_counts_rank_last_and_break_nothing() -> None:
     assert [s.key for s in ranking] == ["idle", "near", "huge"]
     assert ranking[2].cost_s == pytest.approx(10**30 / 4000 + 2 * 100 / 4000 + 0.5 * 10**30 / 1000)
     assert all(type(s.cost_s) is float and type(s.matched_blocks) is int for s in ranking)
+    # a count past 64 bits where every other field is small (no column of Python ints to hide in)
+    alone = WorkerLoad(num_running=10**30)
+    assert rank(100, [WorkerView("alone", load=alone), WorkerView("idle")], CFG).keys == [
+        "idle", "alone"]

@@ -9,7 +9,7 @@ import pytest
 from router.blocks import hash_chain, namespace
 from router.events import WorkerLoad
 from router.index import LookupResult, WorkerInfo, WorkerMatch
-from router.policy import PolicyConfig, WorkerView, rank
+from router.policy import PolicyConfig, WorkerView, rank, rendezvous
 from router.router_state import (
     Candidate,
     LocalPredictions,
@@ -263,21 +263,33 @@ def test_ties_break_on_the_first_block_no_worker_holds() -> None:
     system = list(range(32))
     views = [WorkerView(k, confirmed_depth=2) for k in "abc"]
     picks = set()
-    for i in range(12):
+    for i in range(24):
         tokens = system + [1000 + i] * 32
         ctx = RouterState(RouterSettings(fingerprint="fp")).context(i, tokens, None, 0.0)
-        assert tie_key(ctx, views) == ctx.chain[2]  # past the shared prompt
-        picks.add(rank(len(tokens), views, PolicyConfig(), tie_key(ctx, views))[0].key)
+        assert tie_key(ctx, 2) == ctx.chain[2]  # past the shared prompt
+        picks.add(rank(len(tokens), views, PolicyConfig(), tie_key(ctx, 2))[0].key)
     assert picks == {"a", "b", "c"}  # conversations spread instead of following block 0
     # nothing held: block 0 (a burst with one new prefix converges in every router)
     ctx = state().context(99, TOKENS_A, None, 0.0)
-    assert tie_key(ctx, [WorkerView("a"), WorkerView("b")]) == A[0]
-    # a prediction counts as held; the whole chain held: its last block
-    assert tie_key(ctx, [WorkerView("a", predicted_depth=3)]) == A[3]
-    assert tie_key(ctx, [WorkerView("a", confirmed_depth=6)]) == A[5]
-    assert tie_key(ctx, []) == A[0]
+    assert tie_key(ctx, 0) == A[0]
+    assert tie_key(ctx, 3) == A[3]
+    assert tie_key(ctx, 6) == A[5]  # the whole chain held: its last block
     short = state().context(7, [1, 2, 3], None, 0.0)  # no chain: the token hash
-    assert tie_key(short, [WorkerView("a", confirmed_depth=3)]) == short.tie_key
+    assert tie_key(short, 3) == short.tie_key
+
+
+@pytest.mark.parametrize(("confirmed", "predicted", "deepest"), [(1, 3, 3), (4, 2, 4)])
+def test_the_tie_key_is_the_block_past_the_deepest_match(confirmed: int, predicted: int,
+                                                         deepest: int) -> None:
+    st = state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    others = [f"w{i}" for i in range(8)]
+    result = LookupResult({"a": WorkerMatch(1, "a", confirmed, predicted, None)})
+    ranking = st.rank(1, ctx, [Candidate(k) for k in ["a", *others]], result, now=0.0)
+    # "a" holds the most; the rest tie, ordered by the hash of the first block no one holds
+    assert ranking.keys == ["a", *sorted(others, key=lambda k: -rendezvous(A[deepest], k))]
+    assert ctx.depth == {"a": deepest, **dict.fromkeys(others, 0)}
+    assert ctx.new_tokens == {"a": 96 - 16 * deepest, **dict.fromkeys(others, 96)}
 
 
 def test_own_decisions_count_until_the_index_knows() -> None:
@@ -303,8 +315,8 @@ def test_backlog_counts_only_requests_sent_after_the_reported_load() -> None:
     ctx = st.context(9, [9] * 20, None, now=3.5)
     ranking = st.rank(9, ctx, [Candidate("a"), Candidate("b")], result, now=3.5)
     assert ranking[0].key == "b"  # a has request 2 (sent after its load) queued
-    assert [r.internal_id for r in st.pending_by_worker(exclude=9)["a"]] == ["r1", "r2"]
-    assert [r.internal_id for r in st.pending_by_worker(exclude=2)["a"]] == ["r1"]
+    assert [r.internal_id for r in st.routed.on("a").values()] == ["r1", "r2"]
+    assert not st.routed.on("b")
 
 
 def test_load_prefers_the_index_then_the_cache_then_routing_stats() -> None:
