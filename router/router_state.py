@@ -15,7 +15,15 @@ import hashlib
 import logging
 import struct
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import (
+    Awaitable,
+    Callable,
+    ItemsView,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import asdict, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
@@ -24,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from router.blocks import DEFAULT_BLOCK_SIZE, ChainMemo, namespace
 from router.events import WorkerLoad
-from router.index import IndexSettings, LookupResult, WorkerInfo, WorkerMatch
+from router.index import IndexSettings, LookupResult, WorkerInfo
 from router.policy import Fleet, PolicyConfig, Ranking, rank
 
 logger = logging.getLogger("ray.serve")
@@ -152,6 +160,11 @@ class InFlight:
     def on(self, worker: str) -> Mapping[int, Routed]:
         """The requests in flight on ``worker``, by key (do not mutate)."""
         return self._by_worker.get(worker, _NONE_ROUTED)
+
+    def by_worker(self) -> ItemsView[str, dict[int, Routed]]:
+        """(replica, its requests in flight by key) for every replica with some (do not
+        mutate)."""
+        return self._by_worker.items()
 
     def add(self, key: int, routed: Routed) -> None:
         self.pop(key)
@@ -381,33 +394,42 @@ class RouterState:
     ) -> Ranking:
         """All candidates, best first, from the lookup (None: by load only), this router's own
         recent decisions and the work it sent that the reported loads do not cover yet."""
-        matches = result.matches if result is not None else {}
-        indexed = result.loads if result is not None else {}
+        keys = [c.key for c in candidates]
+        at = {k: i for i, k in enumerate(keys)}  # a decision's work per candidate is a list slot
+        confirmed, predicted = [0] * len(keys), [0] * len(keys)
         if result is not None:
-            ctx.confirmed = {k: m.confirmed_depth for k, m in matches.items()}
-        local = self.local.depths(ctx.chain, now) if ctx.chain else {}
-        rows = []
-        for candidate in candidates:
-            worker = candidate.key
-            match = matches.get(worker)
-            load = self.load_for(candidate, match, now, indexed=indexed.get(worker))
-            tokens, count = 0, 0
-            since = load.timestamp if load is not None else 0.0
-            for other, routed in self.routed.on(worker).items():
-                if routed.routed_at > since and other != key:
-                    tokens += routed.unshared_tokens(ctx.chain, self.settings.block_size)
-                    count += 1
-            confirmed, predicted = ((match.confirmed_depth, match.predicted_depth) if match
-                                    else (0, 0))
-            rows.append((worker, confirmed, max(predicted, local.get(worker, 0)), load,
-                         tokens, count, candidate.queue_len or 0))
-        fleet = Fleet.of_rows(rows)
-        deepest = max(max(fleet.confirmed, default=0), max(fleet.predicted, default=0))
+            ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
+            for worker, match in result.matches.items():
+                if (i := at.get(worker)) is not None:
+                    confirmed[i], predicted[i] = match.confirmed_depth, match.predicted_depth
+        for worker, depth in (self.local.depths(ctx.chain, now) if ctx.chain else {}).items():
+            if (i := at.get(worker)) is not None:
+                predicted[i] = max(predicted[i], depth)
+        loads = self.loads_for(candidates, result, now)
+        tokens, count = self.backlog(key, ctx.chain, at, loads)
+        fleet = Fleet(keys, confirmed, predicted, loads, tokens, count,
+                      [c.queue_len or 0 for c in candidates])
+        deepest = max(max(confirmed, default=0), max(predicted, default=0))
         ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
                        tie_key(ctx, deepest))
         ctx.new_tokens = dict(zip(ranking.keys, ranking.new_tokens, strict=True))
         ctx.depth = dict(zip(ranking.keys, ranking.depth, strict=True))
         return ranking
+
+    def backlog(self, key: int, chain: list[bytes], at: Mapping[str, int],
+                 loads: Sequence[WorkerLoad | None]) -> tuple[list[int], list[int]]:
+        """Per candidate (``at``: its index), the prefill tokens and the requests this router
+        sent there after its load was reported, except request ``key`` itself."""
+        tokens, count = [0] * len(loads), [0] * len(loads)
+        for worker, in_flight in self.routed.by_worker():
+            if (i := at.get(worker)) is None:
+                continue
+            since = loads[i].timestamp if loads[i] is not None else 0.0
+            for other, routed in in_flight.items():
+                if routed.routed_at > since and other != key:
+                    tokens[i] += routed.unshared_tokens(chain, self.settings.block_size)
+                    count[i] += 1
+        return tokens, count
 
     def note_routed(
         self, key: int, worker: str, ctx: RequestContext, internal_id: str, now: float
@@ -467,17 +489,26 @@ class RouterState:
                 self.routed.pop(key)
                 return
 
-    def load_for(
-        self, candidate: Candidate, match: WorkerMatch | None, now: float,
-        *, indexed: WorkerLoad | None = None,
-    ) -> WorkerLoad | None:
-        """The index's load (the match's, else ``indexed``: a lookup carries every live
-        worker's load but matches only the chain's holders), else the last one seen (while
-        fresh), else the routing stats'."""
-        fresh = match.load if match is not None and match.load is not None else indexed
-        if fresh is not None:
-            self.loads[candidate.key] = (fresh, now)
-            return fresh
+    def loads_for(self, candidates: Sequence[Candidate], result: LookupResult | None,
+                  now: float) -> list[WorkerLoad | None]:
+        """Each candidate's load: the index's (the match's, else the lookup's: a lookup carries
+        every live worker's load but matches only the chain's holders), else the last one seen
+        (while fresh), else the routing stats'."""
+        matches = result.matches if result is not None else {}
+        indexed = result.loads if result is not None else {}
+        seen, out = self.loads, []
+        for candidate in candidates:
+            match = matches.get(candidate.key)
+            fresh = match.load if match is not None and match.load is not None else (
+                indexed.get(candidate.key))
+            if fresh is None:
+                out.append(self._last_load(candidate, now))
+            else:
+                seen[candidate.key] = (fresh, now)
+                out.append(fresh)
+        return out
+
+    def _last_load(self, candidate: Candidate, now: float) -> WorkerLoad | None:
         cached = self.loads.get(candidate.key)
         if cached is not None and now - cached[1] <= self.settings.load_max_age_s:
             return cached[0]

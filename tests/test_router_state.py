@@ -317,20 +317,42 @@ def test_backlog_counts_only_requests_sent_after_the_reported_load() -> None:
     assert ranking[0].key == "b"  # a has request 2 (sent after its load) queued
     assert [r.internal_id for r in st.routed.on("a").values()] == ["r1", "r2"]
     assert not st.routed.on("b")
+    late = st.context(3, [3] * 2000, None, now=2.0)
+    st.note_routed(3, "a", late, "r3", now=2.0)  # as old as the load: the load covers it
+    tokens, count = st.backlog(9, ctx.chain, {"a": 0, "b": 1}, [load, None])
+    assert count == [1, 0] and tokens == [2000, 0]  # request 2 alone
+    assert st.backlog(2, ctx.chain, {"a": 0, "b": 1}, [load, None]) == ([0, 0], [0, 0])
+    assert st.backlog(9, ctx.chain, {"b": 0}, [None]) == ([0], [0])  # a is no candidate
+
+
+def test_the_deeper_of_the_index_and_own_decisions_counts() -> None:
+    st = state()
+    for key, worker, tokens in ((1, "a", TOKENS_A[:48]), (2, "b", TOKENS_A)):
+        sent = st.context(key, tokens, None, now=0.0)
+        st.rank(key, sent, ABC, None, now=0.0)
+        st.note_routed(key, worker, sent, f"r{key}", now=0.0)
+    ctx = st.context(3, TOKENS_A, None, now=0.1)
+    index = LookupResult({"a": WorkerMatch(1, "a", 1, 5, None),
+                          "b": WorkerMatch(2, "b", 1, 2, None)})
+    st.rank(3, ctx, ABC, index, now=0.1)
+    assert ctx.depth == {"a": 5, "b": 6, "c": 0}  # a: the index's 5 over its own 3; b: its own 6
 
 
 def test_load_prefers_the_index_then_the_cache_then_routing_stats() -> None:
     st = state(load_max_age_s=10.0)
-    fresh = WorkerLoad(num_running=3)
+    fresh, other = WorkerLoad(num_running=3), WorkerLoad(num_running=4)
     stats = {"load": {"num_running": 7, "bogus": 1}}
     cand = Candidate("a", routing_stats=stats)
-    assert st.load_for(cand, WorkerMatch(1, "a", 0, 0, fresh), now=0.0) == fresh
-    assert st.load_for(cand, None, now=5.0) == fresh  # cached from the index
-    assert st.load_for(cand, None, now=11.0) == WorkerLoad(num_running=7)  # too old: stats
-    assert st.load_for(Candidate("b", {"load": {"num_running": 1, "x": 2}}), None, 0.0) == \
-        WorkerLoad(num_running=1)
-    assert st.load_for(Candidate("b", {"load": "junk"}), None, now=0.0) is None
-    assert st.load_for(Candidate("b"), None, now=0.0) is None
+    matched = LookupResult({"a": WorkerMatch(1, "a", 0, 0, fresh)}, loads={"a": other})
+    assert st.loads_for([cand], matched, now=0.0) == [fresh]  # the match's, then the lookup's
+    assert st.loads_for([cand], None, now=5.0) == [fresh]  # cached from the index
+    assert st.loads_for([cand], None, now=11.0) == [WorkerLoad(num_running=7)]  # too old: stats
+    assert st.loads_for([cand], LookupResult({}, loads={"a": other}), now=12.0) == [other]
+    assert st.loads_for([cand], None, now=13.0) == [other]  # the lookup's, cached as well
+    assert st.loads_for([Candidate("b", {"load": {"num_running": 1, "x": 2}})], None, 0.0) == [
+        WorkerLoad(num_running=1)]
+    assert st.loads_for([Candidate("b", {"load": "junk"}), Candidate("c")], None, 0.0) == [
+        None, None]
 
 
 def test_sent_records_the_truth_and_asks_for_a_prediction() -> None:
