@@ -1,8 +1,9 @@
 """Pure routing policy: rank workers for one request by an estimated cost in seconds.
 
-No Ray, no Redis: the caller gathers a :class:`WorkerView` per worker (matched depth from the
-index, engine-reported load, what this router sent since that load was reported) and gets a
-ranking back, so every case is testable on hand-built views.
+No Ray, no Redis: the caller gathers, per worker, the matched depth from the index, the
+engine-reported load and what this router sent since that load was reported, as columns over
+the fleet (:class:`Fleet`, what the router builds) or as one :class:`WorkerView` per worker (the
+same, readable: every case is testable on hand-built views), and gets a :class:`Ranking` back.
 
 Cost of sending a request with ``P`` prompt tokens to worker ``w``::
 
