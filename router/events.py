@@ -71,6 +71,7 @@ class WorkerLoad:
     timestamp: float = 0.0
     kv_empty_blocks: int = 0  # free blocks holding no cached prefix: filling them evicts nothing
     busy_share: float = 0.0  # of recent time spent in steps: ties go to the least busy
+    kv_total_blocks: int = 0  # the pool's size: how full it is prices the room a request takes
 
 
 def pack_digests(digests: Sequence[bytes]) -> bytes:

@@ -11,9 +11,10 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
                  capped at P - 1 (the last prompt token is always computed: its logits are needed)
     uncached_w = P - cached_w
     room_w     = max(0, block_size * kv_empty_blocks_w - queued_prefill_w)
+    fill_w     = 1 - room_w / (block_size * kv_total_blocks_w)   (1 when the pool size is unknown)
     cost_w     = queued_prefill_w / prefill_rate_w
                  + uncached_weight * uncached_w / prefill_rate_ref
-                 + eviction_weight * max(0, uncached_w - room_w) / prefill_rate_ref
+                 + eviction_weight * fill_w * uncached_w / prefill_rate_ref
                  + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
@@ -22,12 +23,15 @@ prefill, counted ``uncached_weight`` (default 6) times: for its TTFT, for the co
 from the worker, and for the copy it adds to the cluster's caches (a prefix computed on a
 second worker holds memory twice). It uses the mean measured rate of all workers, so
 measurement noise between identical GPUs never decides a route at even load. The third is
-what the new blocks evict: past the worker's empty room (free blocks holding no cached prefix,
-less what its queue will take) each uncached token displaces a cached one that may be asked
-for again. It steers new prefixes to workers with room rather than onto the few that hold a
-shared system prompt, and is the same for every worker once all pools are full. The fourth is
-the decode steps interleaved with it; the measured decode rate is floored at the default
-because at small batches it overstates what one more batched sequence costs.
+the room the new blocks take: once a worker's pool is full each uncached token displaces a
+cached one that may be asked for again, and the fuller the pool now (free blocks that hold no
+cached prefix are room, less what the worker's queue will take), the sooner. A worker with an
+empty pool (just started, or passed over so far) pays nothing here, so it takes new prefixes
+rather than the few workers that hold a shared system prompt; counting only the tokens past the
+room would say nothing until those few were full, and by then their conversations would be
+evicting each other. Once every pool is full it weighs every worker's uncached tokens alike.
+The fourth is the decode steps interleaved with it; the measured decode rate is floored at the
+default because at small batches it overstates what one more batched sequence costs.
 
 Why this instead of SGLang's global imbalance gate (abs 64 / rel 1.5 over all workers)? The
 gate is global: one overloaded worker switches affinity off for every request, scattering
@@ -85,8 +89,8 @@ class PolicyConfig:
     predicted_credit: float = _weight(
         0.95, "Worth of a predicted block against a confirmed one, in [0, 1]")
     eviction_weight: float = _weight(
-        0.25, "Cost of evicting a cached token to make room, in token-times: the chance it "
-        "is asked for again")
+        0.5, "Cost of the room an uncached token takes, in token-times at a full KV pool (in "
+        "proportion to how full it is): the cached token it displaces may be asked for again")
     tie_tolerance_s: float = _weight(
         0.001, "Costs this close tie (absorbs stale-load noise, about 2 running sequences)")
 
@@ -148,7 +152,8 @@ def reference_prefill_rate(loads: Sequence[WorkerLoad | None], config: PolicyCon
 _UNREPORTED = WorkerLoad(busy_share=1.0)
 # The load fields the cost model reads, in one float row per worker: one array for the fleet.
 _LOAD_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "queued_prefill_tokens",
-                "num_running", "kv_empty_blocks", "num_waiting", "busy_share")
+                "num_running", "kv_empty_blocks", "num_waiting", "busy_share",
+                "kv_total_blocks")
 _LOAD_COLUMNS = attrgetter(*_LOAD_FIELDS)
 
 
@@ -226,7 +231,8 @@ def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate:
     decision, and one interpreted pass per worker cost ~6 ms a decision at 1,000 workers."""
     table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in fleet.loads], dtype=float)
     table = table.reshape(len(fleet.loads), len(_LOAD_FIELDS))  # (0, 7) for no workers
-    prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy = table.T
+    prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total = (
+        table.T)
     confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
     cached = _cached(confirmed, predicted, num_prompt_tokens, config)
     uncached = num_prompt_tokens - cached
@@ -237,9 +243,11 @@ def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate:
     queued = reported_queue + fleet.pending_tokens
     running = np.maximum(reported_running + pending, fleet.queue_len)
     empty *= config.block_size
-    evicted = np.maximum(0.0, uncached - np.maximum(0, empty - queued))  # queued work fills first
+    room = np.maximum(0, empty - queued)  # queued work fills first
+    total *= config.block_size
+    fill = 1.0 - np.minimum(room, total) / np.maximum(total, 1.0)  # unknown size: a full pool
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
-    cost += config.eviction_weight * evicted / ref_rate
+    cost += config.eviction_weight * uncached * fill / ref_rate
     cost += config.decode_weight * running / decode_rate
     new_tokens = num_prompt_tokens - np.minimum(depth * config.block_size, num_prompt_tokens - 1)
     idle = (waiting == 0) & (reported_queue == 0) & (pending == 0)

@@ -296,14 +296,15 @@ def test_salt_isolates_and_no_leaks_after_abort(llama) -> None:
     assert not eng.has_unfinished()
     stats = eng.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.kv_usage == 0.0
-    # the prompts' blocks stay cached: free, but not empty room (the router's eviction term)
+    # the prompts' blocks stay cached: free, but not empty room (the router's room term)
     assert len(eng.kv.pool.cached) > 0
     assert stats.num_empty_blocks == stats.num_total_blocks - len(eng.kv.pool.cached)
     assert stats.load(5.0) == WorkerLoad(  # the report routers read, field for field
         num_running=0, num_waiting=0, queued_prefill_tokens=0, kv_usage=0.0,
         prefill_tokens_per_s=stats.prefill_tokens_per_s,
         decode_tokens_per_s=stats.decode_tokens_per_s, timestamp=5.0,
-        kv_empty_blocks=stats.num_empty_blocks, busy_share=stats.busy_share)
+        kv_empty_blocks=stats.num_empty_blocks, busy_share=stats.busy_share,
+        kv_total_blocks=stats.num_total_blocks)
     assert 0.0 < stats.busy_share < 1.0  # its steps took wall time a moment ago
     assert stats.prompt_tokens_queried == 100 and stats.prompt_tokens_hit == 16 + 16
 

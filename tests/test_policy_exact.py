@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 
@@ -55,7 +55,7 @@ def test_weight_fields_carry_default_and_description() -> None:
     assert described["block_size"] is None
     defaults = PolicyConfig()
     assert (defaults.uncached_weight, defaults.eviction_weight, defaults.decode_weight) == (
-        6.0, 0.25, 0.5)
+        6.0, 0.5, 0.5)
     assert defaults.tie_tolerance_s == 0.001
 
 
@@ -233,37 +233,52 @@ def test_cost_exactly_at_the_tolerance_ties_and_depth_wins() -> None:
     assert [s.key for s in rank(10, [a, c], config)] == ["a", "c"]
 
 
-def test_eviction_term_counts_uncached_tokens_past_the_empty_room() -> None:
+def test_room_term_weighs_uncached_tokens_by_how_full_the_pool_is() -> None:
     config = PolicyConfig(uncached_weight=2.0, eviction_weight=0.25)
-    # 10 empty blocks = 160 tokens of room, 60 of it taken by queued and routed work first
-    load = WorkerLoad(queued_prefill_tokens=40, prefill_tokens_per_s=4000.0, kv_empty_blocks=10)
+    # 10 empty blocks of 40 = 160 tokens of room in 640, 60 of it taken by queued and routed
+    # work first: the pool is 1 - 100 / 640 full
+    load = WorkerLoad(queued_prefill_tokens=40, prefill_tokens_per_s=4000.0, kv_empty_blocks=10,
+                      kv_total_blocks=40)
     view = WorkerView("w", confirmed_depth=2, load=load, pending_prefill_tokens=20)
     s = score(view, 300, config, 4000.0)
     uncached = 300 - 32
-    evicted = uncached - (160 - 60)
+    fill = 1 - 100 / 640
     assert s.cost_s == pytest.approx(
-        60 / 4000 + 2 * uncached / 4000 + 0.25 * evicted / 4000, rel=1e-12)
-    # room for all of it: no eviction cost
-    roomy = WorkerView("w", confirmed_depth=2, load=WorkerLoad(kv_empty_blocks=100))
-    assert score(roomy, 300, config, 4000.0).cost_s == pytest.approx(2 * uncached / 4000)
-    # queued work beyond the room leaves none (never a negative room)
-    full = WorkerView("w", load=WorkerLoad(queued_prefill_tokens=500, kv_empty_blocks=10))
+        60 / 4000 + 2 * uncached / 4000 + 0.25 * fill * uncached / 4000, rel=1e-12)
+    # an empty pool: no room cost at all, however many tokens come
+    empty = WorkerView("w", confirmed_depth=2,
+                       load=WorkerLoad(kv_empty_blocks=100, kv_total_blocks=100))
+    assert score(empty, 3000, config, 4000.0).cost_s == pytest.approx(2 * (3000 - 32) / 4000)
+    # the smallest pool there is: one 1-token block, free
+    tiny = replace(config, block_size=1)
+    one = WorkerView("w", load=WorkerLoad(kv_empty_blocks=1, kv_total_blocks=1))
+    assert score(one, 5, tiny, 4000.0).cost_s == pytest.approx(2 * 5 / 4000)
+    # queued work beyond the room leaves none (never a negative room): a full pool
+    full = WorkerView("w", load=WorkerLoad(queued_prefill_tokens=500, kv_empty_blocks=10,
+                                           kv_total_blocks=40))
     assert score(full, 100, config, 4000.0).cost_s == pytest.approx(
         500 / 4000 + 2 * 100 / 4000 + 0.25 * 100 / 4000)
-    # an unknown load is assumed full
-    assert score(WorkerView("w"), 100, config, 4000.0).cost_s == pytest.approx(
-        2.25 * 100 / 4000)
+    # an unknown load, or empty blocks without the pool's size, is taken as a full pool
+    full_cost = pytest.approx(2.25 * 100 / 4000)
+    assert score(WorkerView("w"), 100, config, 4000.0).cost_s == full_cost
+    sizeless = WorkerView("w", load=WorkerLoad(kv_empty_blocks=100))
+    assert score(sizeless, 100, config, 4000.0).cost_s == full_cost
 
 
-def test_an_empty_worker_beats_a_full_one_holding_a_short_shared_prefix() -> None:
-    # A long new conversation after a 2-block system prompt every busy worker holds: the full
-    # holder would evict ~60 blocks of others' prefixes; the empty worker evicts nothing.
+def test_an_emptier_worker_beats_a_fuller_one_holding_a_short_shared_prefix() -> None:
+    # A new 30,000-token conversation after a 512-token system prompt: the holder's pool is half
+    # full (room for all of it, so nothing would be evicted yet), the other worker's is empty
+    # (it just started). The fuller pool will evict sooner, which outweighs the saved tokens.
     config = PolicyConfig()
-    holder = WorkerView("holder", confirmed_depth=2, load=WorkerLoad(kv_empty_blocks=0))
-    empty = WorkerView("empty", load=WorkerLoad(kv_empty_blocks=1000))
-    assert rank(1000, [holder, empty], config)[0].key == "empty"
-    # without the term, the 32 saved tokens decide
-    assert rank(1000, [holder, empty], PolicyConfig(eviction_weight=0.0))[0].key == "holder"
+    half = WorkerLoad(kv_empty_blocks=5000, kv_total_blocks=10_000)
+    holder = WorkerView("holder", confirmed_depth=32, load=half)
+    fresh = WorkerView("fresh", load=WorkerLoad(kv_empty_blocks=10_000, kv_total_blocks=10_000))
+    assert rank(30_000, [holder, fresh], config)[0].key == "fresh"
+    # without the term, the 512 saved tokens decide
+    assert rank(30_000, [holder, fresh], PolicyConfig(eviction_weight=0.0))[0].key == "holder"
+    # and between two pools equally full, too
+    both = [holder, WorkerView("other", load=half)]
+    assert rank(30_000, both, config)[0].key == "holder"
 
 
 def test_untied_workers_rank_by_cost() -> None:

@@ -116,6 +116,7 @@ async def test_routing_stats_describe_the_worker(worker: LLMWorker) -> None:
     assert stats["load"]["num_running"] == 0
     snapshot, _ = worker._loop_thread.snapshot
     assert stats["load"]["kv_empty_blocks"] == snapshot.num_empty_blocks > 0
+    assert stats["load"]["kv_total_blocks"] == snapshot.num_total_blocks > 0
     assert stats["worker"] == worker.replica_id
 
 

@@ -114,6 +114,7 @@ class EngineStats:
             prefill_tokens_per_s=self.prefill_tokens_per_s,
             decode_tokens_per_s=self.decode_tokens_per_s,
             kv_empty_blocks=self.num_empty_blocks,
+            kv_total_blocks=self.num_total_blocks,
             busy_share=self.busy_share,
             timestamp=timestamp,
         )
