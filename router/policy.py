@@ -230,7 +230,7 @@ def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate:
     """Every worker's cost as arrays over the fleet: a router scores every replica on every
     decision, and one interpreted pass per worker cost ~6 ms a decision at 1,000 workers."""
     table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in fleet.loads], dtype=float)
-    table = table.reshape(len(fleet.loads), len(_LOAD_FIELDS))  # (0, 7) for no workers
+    table = table.reshape(len(fleet.loads), len(_LOAD_FIELDS))  # zero rows for no workers
     prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total = (
         table.T)
     confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
