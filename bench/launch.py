@@ -55,15 +55,17 @@ def local_cluster(port: int = 0, start_timeout_s: float = 180.0,
     from cluster.app import build_app, serve_logging
 
     global _serve_port
-    port = port or _serve_port or free_port()
-    if _serve_port is not None and port != _serve_port:
+    if _serve_port is not None and port and port != _serve_port:
         raise ValueError(f"Serve already listens on port {_serve_port}; cannot move to {port}")
+    ensure_ray()
+    # Picked after Ray's own processes have bound theirs: a port free a moment before ray.init
+    # may be a Ray default (the dashboard agent's 52365 was), and Serve's proxy then fails.
+    port = port or _serve_port or free_port()
     with LocalRedis() as redis:
         # No access log by default: a line per request and per worker call costs CPU the
         # workers would use, and floods the benchmark's terminal (access_log=true brings it back).
         config = ClusterConfig(**{"redis_url": redis.url, "access_log": False, **options,
                                   "port": port})
-        ensure_ray()
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config=serve_logging(config))
         _serve_port = port
