@@ -140,8 +140,8 @@ def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def deployed(redis_server: LocalRedis) -> Iterator[str]:
-    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()  # after Ray's own processes have taken their ports
     try:
         config = ServeDeploySchema.model_validate(scaled_down(redis_server.url, port))
         serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -54,8 +54,8 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
         worker_resources={"accel": 1}, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=512, max_num_seqs=8, index=INDEX,
     )
-    port = free_port()
     ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    port = free_port()  # after Ray's own processes have taken their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         serve.run(build_app(config), name="three-nodes", route_prefix="/")
