@@ -157,18 +157,21 @@ class ChainMemo:
         self.hit_blocks = 0  # blocks served from the memo (a gauge of what it saves)
 
     def chain(
-        self, token_ids: Sequence[int], ns: bytes = b"", budget: int | None = None
+        self, token_ids: Sequence[int], ns: bytes = b"", budget: int | None = None,
+        known: Sequence[BlockHash] = (),
     ) -> list[BlockHash]:
         """What ``hash_chain(token_ids, block_size, ns)`` returns; with ``budget``, only its
-        first blocks: the ones remembered and at most ``budget`` more."""
+        first blocks: the ones remembered and at most ``budget`` more. ``known`` is a first part
+        of that chain computed before (a decision's, now wanted whole): the walk resumes at its
+        last whole run instead of reading every token again."""
         size = self.block_size
         end = len(token_ids) // size * size  # the tokens of full blocks
         if not self.max_runs:
             return hash_chain(token_ids[: end if budget is None else budget * size], size, ns)
         run = 4 * size * self.RUN_BLOCKS  # bytes
         left = end // size if budget is None else budget  # blocks still to hash
-        out: list[BlockHash] = []
-        parent, start = ns, 0
+        out = list(known[: len(known) // self.RUN_BLOCKS * self.RUN_BLOCKS])
+        parent, start = (out[-1] if out else ns), len(out) * size
         while start < end:
             body = _pack(token_ids[start : min(end, start + run // 4 * self.WINDOW_RUNS)])
             start += len(body) // 4

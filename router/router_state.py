@@ -360,7 +360,7 @@ class RouterState:
         reached = reached or any(goes_past(chain, r.chain) for r in self.routed.values())
         if not reached:
             return False
-        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, budget=4 * n)[n:])
+        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, 4 * n, chain)[n:])
         ctx.complete = len(chain) == len(ctx.tokens) // self.settings.block_size
         return len(chain) > n
 
@@ -381,7 +381,8 @@ class RouterState:
         """The rest of the chain, after the decision: the predicted entries and this router's
         later decisions cover the whole prompt."""
         if not ctx.complete:
-            ctx.chain.extend(self.memo.chain(ctx.tokens, ctx.namespace)[len(ctx.chain):])
+            ctx.chain.extend(
+                self.memo.chain(ctx.tokens, ctx.namespace, known=ctx.chain)[len(ctx.chain):])
             ctx.complete = True
 
     def rank(

@@ -215,6 +215,26 @@ def test_chain_memo_budget_hashes_what_it_remembers_and_so_many_more() -> None:
     assert ChainMemo(2, max_runs=0).chain(tokens, ns, budget=7) == full[:7]
 
 
+def test_chain_memo_resumes_at_the_last_whole_run_of_what_is_known() -> None:
+    ns = namespace("fp")
+    memo = ChainMemo(2)
+    tokens = [(11 * i) % 503 for i in range(2 * RUN * 20 + 5)]  # 20 runs, two blocks, a token
+    full = ref_chain(tokens, 2, ns)
+    first = memo.chain(tokens, ns, budget=3 * RUN + 4)  # a decision's part: 3 runs, 4 blocks
+    assert first == full[: 3 * RUN + 4] and memo.hit_blocks == 0
+    # the rest, given that part: its three whole runs are kept, not looked up again; the four
+    # blocks after them are hashed again (a partial run is remembered nowhere)
+    assert memo.chain(tokens, ns, known=first) == full
+    assert memo.hit_blocks == 0
+    assert memo.chain(tokens, ns, known=full) == full
+    assert memo.hit_blocks == 0  # all 20 whole runs known: only the last two blocks hashed
+    bogus = [*full[:RUN], b"?" * 16]  # a digest past the last whole run is not trusted
+    assert memo.chain(tokens, ns, known=bogus) == full
+    assert memo.hit_blocks == 19 * RUN  # from the second run on, every run is remembered
+    assert memo.chain(tokens, ns, budget=2, known=full[:RUN]) == full  # nothing more to hash
+    assert ChainMemo(2).chain(tokens, ns, budget=1, known=full[: 2 * RUN]) == full[: 2 * RUN + 1]
+
+
 def test_chain_memo_keeps_two_generations() -> None:
     memo = ChainMemo(1, max_runs=1)
     a, b, c = ([k] * RUN for k in (1, 2, 3))  # one run each

@@ -130,6 +130,12 @@ def test_contexts_hash_through_the_memo() -> None:
     salted = st.context(3, nxt, "tenant", now=0.0).chain  # another namespace: no reuse
     assert salted == hash_chain(nxt, 4, namespace("fp", "tenant"))
     assert st.memo.hit_blocks == 32
+    decided = st.context(4, nxt + [9] * 4 * 600, None, now=0.0)  # past the first hashing
+    assert len(decided.chain) == 64 + 256 and not decided.complete  # 4 runs remembered, 256 new
+    hits = st.memo.hit_blocks
+    st.finish(decided)  # the rest resumes after the chain's whole runs: none is looked up
+    assert decided.chain == hash_chain(nxt + [9] * 4 * 600, 4, NS)
+    assert st.memo.hit_blocks == hits
     off = state(hash_memo_tokens=0)
     assert off.memo.max_runs == 0
     assert off.context(1, TOKENS_A, None, now=0.0).chain == A
