@@ -158,16 +158,18 @@ class ChainMemo:
 
     def chain(
         self, token_ids: Sequence[int], ns: bytes = b"", budget: int | None = None,
-        known: Sequence[BlockHash] = (),
+        known: Sequence[BlockHash] = (), limit: int = sys.maxsize,
     ) -> list[BlockHash]:
-        """What ``hash_chain(token_ids, block_size, ns)`` returns; with ``budget``, only its
-        first blocks: the ones remembered and at most ``budget`` more. ``known`` is a first part
-        of that chain computed before (a decision's, now wanted whole): the walk resumes at its
+        """What ``hash_chain(token_ids[:limit], block_size, ns)`` returns (without copying the
+        tokens: a long prompt's copy costs a tenth of its walk); with ``budget``, only its first
+        blocks: the ones remembered and at most ``budget`` more. ``known`` is a first part of
+        that chain computed before (a decision's, now wanted whole): the walk resumes at its
         last whole run instead of reading every token again."""
         size = self.block_size
-        end = len(token_ids) // size * size  # the tokens of full blocks
+        end = min(len(token_ids), limit) // size * size  # the tokens of full blocks
         if not self.max_runs:
-            return hash_chain(token_ids[: end if budget is None else budget * size], size, ns)
+            return hash_chain(token_ids[: end if budget is None else min(end, budget * size)],
+                              size, ns)
         run = 4 * size * self.RUN_BLOCKS  # bytes
         left = end // size if budget is None else budget  # blocks still to hash
         out = list(known[: len(known) // self.RUN_BLOCKS * self.RUN_BLOCKS])

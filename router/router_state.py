@@ -192,7 +192,8 @@ class RequestContext:
     tie_key: bytes  # orders tied workers when the chain is empty (see tie_key()); else b""
     num_prompt_tokens: int
     created_at: float
-    tokens: Sequence[int] = ()  # the matched prompt tokens, for the rest of the chain
+    tokens: Sequence[int] = ()  # the prompt's tokens (matched up to max_match_tokens), for the
+    # rest of the chain
     namespace: bytes = b""
     complete: bool = True  # the chain holds every full block of ``tokens``
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
@@ -325,17 +326,18 @@ class RouterState:
             return ctx
         chain: list[bytes] = []
         matched: Sequence[int] = ()
+        limit = self.settings.max_match_tokens
         ns = b""
         if self.settings.prefix_routing and self.fingerprint is not None:
-            matched = tokens[: self.settings.max_match_tokens]
+            matched = tokens
             ns = namespace(self.fingerprint, cache_salt)
-            chain = self.memo.chain(matched, ns, budget=self._first_blocks)
+            chain = self.memo.chain(matched, ns, budget=self._first_blocks, limit=limit)
         spread = b""  # a chain's tie key depends on the lookup (see tie_key())
         if not chain:  # shorter than a block (or no fingerprint yet): nothing cacheable, spread
             spread = hashlib.blake2b(
                 struct.pack(f"<{min(len(tokens), 64)}I", *tokens[:64]), digest_size=16
             ).digest()
-        full = len(matched) // self.settings.block_size
+        full = min(len(matched), limit) // self.settings.block_size
         ctx = RequestContext(chain, spread, max(1, len(tokens)), now, matched, ns,
                              len(chain) == full)
         self.contexts[key] = ctx
@@ -360,8 +362,9 @@ class RouterState:
         reached = reached or any(goes_past(chain, r.chain) for r in self.routed.values())
         if not reached:
             return False
-        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, 4 * n, chain)[n:])
-        ctx.complete = len(chain) == len(ctx.tokens) // self.settings.block_size
+        limit = self.settings.max_match_tokens
+        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, 4 * n, chain, limit)[n:])
+        ctx.complete = len(chain) == min(len(ctx.tokens), limit) // self.settings.block_size
         return len(chain) > n
 
     async def match(
@@ -381,8 +384,9 @@ class RouterState:
         """The rest of the chain, after the decision: the predicted entries and this router's
         later decisions cover the whole prompt."""
         if not ctx.complete:
-            ctx.chain.extend(
-                self.memo.chain(ctx.tokens, ctx.namespace, known=ctx.chain)[len(ctx.chain):])
+            ctx.chain.extend(self.memo.chain(
+                ctx.tokens, ctx.namespace, known=ctx.chain, limit=self.settings.max_match_tokens,
+            )[len(ctx.chain):])
             ctx.complete = True
 
     def rank(

@@ -235,6 +235,20 @@ def test_chain_memo_resumes_at_the_last_whole_run_of_what_is_known() -> None:
     assert ChainMemo(2).chain(tokens, ns, budget=1, known=full[: 2 * RUN]) == full[: 2 * RUN + 1]
 
 
+def test_chain_memo_stops_at_the_limit() -> None:
+    ns = namespace("fp")
+    tokens = [(5 * i) % 499 for i in range(2 * RUN * 6)]
+    full = ref_chain(tokens, 2, ns)
+    memo = ChainMemo(2)
+    assert memo.chain(tokens, ns, limit=2 * RUN * 3 + 3) == full[: 3 * RUN + 1]
+    assert memo.chain(tokens, ns, limit=len(tokens)) == full
+    assert memo.chain(tokens, ns, budget=3, limit=2 * RUN * 2) == full[: 2 * RUN]
+    off = ChainMemo(2, max_runs=0)
+    assert off.chain(tokens, ns, budget=50, limit=2 * 7 + 1) == full[:7]
+    assert off.chain(tokens, ns, budget=5, limit=2 * 7 + 1) == full[:5]
+    assert off.chain(tokens, ns, limit=2 * 7 + 1) == full[:7]
+
+
 def test_chain_memo_keeps_two_generations() -> None:
     memo = ChainMemo(1, max_runs=1)
     a, b, c = ([k] * RUN for k in (1, 2, 3))  # one run each

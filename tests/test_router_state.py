@@ -117,6 +117,18 @@ def test_matching_stops_at_max_match_tokens() -> None:
     assert state().settings.max_match_tokens == 131072
     with pytest.raises(ValueError):
         RouterSettings(max_match_tokens=0)
+    capped = state(block_size=4, max_match_tokens=4 * 1000 + 3)  # 1,000 blocks of a longer one
+    prompt = [(13 * i) % 9973 for i in range(4 * 3000)]
+    whole = hash_chain(prompt[: 4 * 1000], 4, NS)
+    first = capped.context(1, prompt, None, now=0.0)
+    assert first.chain == whole[:256] and not first.complete  # the first hashing's budget
+    capped.finish(first)
+    assert first.chain == whole and first.complete  # the rest, up to the cap
+    grown = capped.context(2, prompt[:-1], None, now=0.0)
+    grown.chain[300:] = []  # as if hashed to 300 blocks, and held whole by some worker
+    grown.complete = False
+    assert capped.extend(grown, lookup(a=300), now=0.0)
+    assert grown.chain == whole and grown.complete  # four times as many, but not past the cap
 
 
 def test_contexts_hash_through_the_memo() -> None:
