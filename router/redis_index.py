@@ -55,6 +55,7 @@ import logging
 import re
 import struct
 from collections.abc import Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -135,8 +136,13 @@ def _code(worker_id: int) -> bytes:
     return worker_id.to_bytes(2, "big")
 
 
-def _ids(packed: bytes) -> set[int]:
-    return {int.from_bytes(packed[k : k + 2], "big") for k in range(0, len(packed) - 1, 2)}
+@lru_cache(maxsize=4096)
+def _ids(packed: bytes) -> frozenset[int]:
+    """The ids packed in a lookup's reply, remembered: the same holders come back lookup after
+    lookup (every worker, for a shared system prompt), and at 64 workers reading them again
+    cost more than the rest of a reply's decoding."""
+    return frozenset(int.from_bytes(packed[k : k + 2], "big")
+                     for k in range(0, len(packed) - 1, 2))
 
 
 def match_depths(
@@ -340,7 +346,7 @@ class RedisPrefixIndex:
         reply = await self._eval("lookup", keys, args)
         rv, live, segs, rides, lv, changed, everything, walked = msgpack.unpackb(reply, raw=True)
         depth = match_depths(live, segs, rides, walked)
-        if rv != self._rv or any(wid not in self._workers for wid in depth):
+        if rv != self._rv or not depth.keys() <= self._workers.keys():
             await self.live_workers()
         self._lv = lv
         if everything or changed:
