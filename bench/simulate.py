@@ -144,6 +144,19 @@ class RunResult:
     wall_s: float
     lookups_failed: int = 0
     index_failures: int = 0
+    # a prefix decision's parts (the chain it starts with, each lookup, ranking), so a decision
+    # time can be read without a profiler
+    hash_p50_ms: float = 0.0
+    hash_p99_ms: float = 0.0
+    lookup_p50_ms: float = 0.0
+    rank_p50_ms: float = 0.0
+    rank_p99_ms: float = 0.0
+
+    def parts(self) -> str:
+        return (f"{self.policy} at {self.workers} workers, decision parts, ms: hashing p50 "
+                f"{self.hash_p50_ms:.3f} p99 {self.hash_p99_ms:.3f}; each lookup p50 "
+                f"{self.lookup_p50_ms:.3f} p99 {self.lookup_p99_ms:.3f}; ranking p50 "
+                f"{self.rank_p50_ms:.3f} p99 {self.rank_p99_ms:.3f}")
 
 
 def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
@@ -213,6 +226,8 @@ class Simulator:
         self._rr = itertools.cycle(range(num_workers))
         self.route_s: list[float] = []
         self.lookup_s: list[float] = []  # the index round trip within route_s
+        self.hash_s: list[float] = []  # hashing the chain a decision starts with, within route_s
+        self.rank_s: list[float] = []  # ranking the fleet, within route_s
         self.lookups_failed = 0
         self.index_failures = 0  # worker-side calls that timed out (resynced after)
         self._now = 0.0
@@ -306,10 +321,14 @@ class Simulator:
     async def _rank(self, req: SimRequest, now: float) -> SimWorker:
         assert self.index is not None
         state = self.state
+        start = time.perf_counter()
         ctx = state.context(req.key, req.tokens, None, now)
+        self.hash_s.append(time.perf_counter() - start)
         result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
+        start = time.perf_counter()
         candidates = [Candidate(w.name, queue_len=w.ongoing) for w in self.workers]
         ranking = state.rank(req.key, ctx, candidates, result, now)
+        self.rank_s.append(time.perf_counter() - start)
         best = ranking[0].key
         state.note_routed(req.key, best, ctx, str(req.key), now)
         return self.by_name[best]
@@ -510,9 +529,13 @@ async def simulate(
         ttft_p99_s=percentile(ttft, 99),
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
         route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
-        lookup_p99_ms=percentile([s * 1000 for s in sim.lookup_s], 99),
+        lookup_p99_ms=percentile(lookup_ms := [s * 1000 for s in sim.lookup_s], 99),
         sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed,
-        index_failures=sim.index_failures)
+        index_failures=sim.index_failures,
+        hash_p50_ms=percentile(hash_ms := [s * 1000 for s in sim.hash_s], 50),
+        hash_p99_ms=percentile(hash_ms, 99), lookup_p50_ms=percentile(lookup_ms, 50),
+        rank_p50_ms=percentile(rank_ms := [s * 1000 for s in sim.rank_s], 50),
+        rank_p99_ms=percentile(rank_ms, 99))
 
 
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
@@ -633,6 +656,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
         results, trips = runner.run(run_all(args))
     print(table(results))
+    for result in results:
+        if result.policy == "prefix":
+            print(result.parts())
     if trips is not None:
         print(trips.line())
     if args.out:

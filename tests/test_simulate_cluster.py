@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import time
 from collections import Counter
 from pathlib import Path
@@ -67,6 +68,12 @@ def test_prefix_routing_beats_round_robin_under_the_ceiling(redis_server, tmp_pa
     assert prefix.ceiling_hit_rate == rr.ceiling_hit_rate
     assert prefix.ceiling_hit_rate >= prefix.hit_rate
     assert prefix.ttft_p50_s > 0 and prefix.route_p99_ms > 0
+    # a decision's parts lie within it, so no percentile of a part exceeds the decision's
+    assert 0 < prefix.hash_p50_ms <= prefix.hash_p99_ms <= prefix.route_p99_ms
+    assert 0 < prefix.rank_p50_ms <= prefix.rank_p99_ms <= prefix.route_p99_ms
+    assert 0 < prefix.lookup_p50_ms <= prefix.lookup_p99_ms <= prefix.route_p99_ms
+    assert math.isnan(rr.hash_p50_ms) and math.isnan(rr.rank_p99_ms)  # no ranking, no parts
+    assert prefix.parts().startswith("prefix at 8 workers, decision parts, ms: hashing p50 ")
 
 
 def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server, tmp_path) -> None:
