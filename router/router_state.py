@@ -192,8 +192,7 @@ class RequestContext:
     tie_key: bytes  # orders tied workers when the chain is empty (see tie_key()); else b""
     num_prompt_tokens: int
     created_at: float
-    tokens: Sequence[int] = ()  # the prompt's tokens (matched up to max_match_tokens), for the
-    # rest of the chain
+    tokens: Sequence[int] = ()  # the prompt (matched up to max_match_tokens): the chain's rest
     namespace: bytes = b""
     complete: bool = True  # the chain holds every full block of ``tokens``
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
@@ -363,7 +362,8 @@ class RouterState:
         if not reached:
             return False
         limit = self.settings.max_match_tokens
-        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, 4 * n, chain, limit)[n:])
+        chain.extend(self.memo.chain(ctx.tokens, ctx.namespace, budget=4 * n, known=chain,
+                                     limit=limit)[n:])
         ctx.complete = len(chain) == min(len(ctx.tokens), limit) // self.settings.block_size
         return len(chain) > n
 
