@@ -53,6 +53,7 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
+from bench.redis_time import script_sha, slowlog_ms, slowlog_on
 from cluster.local_redis import LocalRedis, free_port
 from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
@@ -255,19 +256,6 @@ class Heartbeats:
         await self._task
 
 
-def slowlog_ms(raw: redis.Redis, sha: str) -> list[float]:
-    """Server-side durations (ms) of the logged EVALSHAs of script ``sha``; resets the log."""
-    out = []
-    for entry in raw.slowlog_get(-1):
-        cmd = entry["command"]
-        if isinstance(cmd, bytes):
-            cmd = cmd.decode(errors="replace")
-        if cmd.lower().startswith("evalsha") and sha in cmd:
-            out.append(entry["duration"] / 1000)
-    raw.slowlog_reset()
-    return out
-
-
 async def lookups(model: Model, depth: int, n: int, rng: random.Random) -> list[float]:
     """Wall times (ms) of ``n`` lookups of stored chains cut to ``depth`` blocks."""
     samples = []
@@ -284,7 +272,7 @@ async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
                        churn: tuple[int, int, float] | None, heartbeats: float) -> list[dict]:
     """Lookups of 128- and 512-block chains under the given background traffic. A sharded
     model's lookup is one script call per group: Redis times are per call, CPU is summed."""
-    raws, sha = model.shards(), model.parts[0][0]._scripts["lookup"].sha
+    raws, sha = model.shards(), script_sha("lookup")
     rows = []
     for depth in (128, 512):
         await lookups(model, depth, 50, rng)  # warm (and refresh the worker list)
@@ -318,7 +306,7 @@ async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
 async def saturation(model: Model, batch: int, workers: int, seconds: float) -> dict:
     """Apply throughput with ``workers`` concurrent publishers churning as fast as they can
     (a sharded model's spread over its groups' shards: CPU per shard)."""
-    raws, sha = model.shards(), model.parts[0][0]._scripts["apply"].sha
+    raws, sha = model.shards(), script_sha("apply")
     for raw in raws:
         raw.slowlog_reset()
     cpu0 = [server_cpu_s(raw) for raw in raws]
@@ -341,11 +329,6 @@ async def saturation(model: Model, batch: int, workers: int, seconds: float) -> 
 def memory(raw: redis.Redis) -> int:
     raw.execute_command("MEMORY", "PURGE")
     return int(raw.info("memory")["used_memory"])
-
-
-def slowlog_on(raw: redis.Redis) -> None:
-    raw.config_set("slowlog-log-slower-than", 0)
-    raw.config_set("slowlog-max-len", 200_000)
 
 
 async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:

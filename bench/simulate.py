@@ -18,8 +18,10 @@ the prefix-cache hit rate against the merged-cache ceiling (one LRU pool the siz
 cluster taking the prompts in arrival order: no router can do better without more memory),
 TTFT percentiles, worker busy-time imbalance (max / mean) and the router's decision time (wall
 clock, hashing + index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric
-measures). With the prefix policy it also prints what a Redis PING costs on this machine back to
-back and after 3 ms of work (:mod:`bench.round_trip`): the floor under every decision's lookup.
+measures). With the prefix policy it also prints each decision's parts, its work apart from the
+machine's waits (the router's CPU time plus Redis' own time running its lookups, from the
+SLOWLOG: :mod:`bench.redis_time`) and what a Redis PING costs on this machine back to back and
+after 3 ms of work (:mod:`bench.round_trip`): the floor under every decision's lookup.
 
 Departures from the live system, by design: leases and predicted entries expire in Redis' wall
 time, so leases are set long (``LEASE_TTL_S``) and routing-time predictions stay in the
@@ -42,15 +44,18 @@ import json
 import random
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import redis
 import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
+from bench.redis_time import script_sha, slowlog_ms, slowlog_on, slowlog_restore
 from bench.round_trip import RoundTrips
 from bench.round_trip import measure as measure_round_trips
 from bench.workloads import Tokens, Trace
@@ -151,12 +156,27 @@ class RunResult:
     lookup_p50_ms: float = 0.0
     rank_p50_ms: float = 0.0
     rank_p99_ms: float = 0.0
+    # a decision's work apart from the machine's waits: the router's CPU time, Redis' own time
+    # running its lookups (SLOWLOG; prefix only) and their sum per decision
+    cpu_p50_ms: float = 0.0
+    cpu_p99_ms: float = 0.0
+    redis_p50_ms: float = 0.0
+    redis_p99_ms: float = 0.0
+    work_p50_ms: float = 0.0
+    work_p99_ms: float = 0.0
 
     def parts(self) -> str:
         return (f"{self.policy} at {self.workers} workers, decision parts, ms: hashing p50 "
                 f"{self.hash_p50_ms:.3f} p99 {self.hash_p99_ms:.3f}; each lookup p50 "
                 f"{self.lookup_p50_ms:.3f} p99 {self.lookup_p99_ms:.3f}; ranking p50 "
                 f"{self.rank_p50_ms:.3f} p99 {self.rank_p99_ms:.3f}")
+
+    def work(self) -> str:
+        return (f"{self.policy} at {self.workers} workers, decision work, ms: router CPU p50 "
+                f"{self.cpu_p50_ms:.3f} p99 {self.cpu_p99_ms:.3f}; Redis' own time p50 "
+                f"{self.redis_p50_ms:.3f} p99 {self.redis_p99_ms:.3f}; both p50 "
+                f"{self.work_p50_ms:.3f} p99 {self.work_p99_ms:.3f} (wall p50 "
+                f"{self.route_p50_ms:.3f} p99 {self.route_p99_ms:.3f})")
 
 
 def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
@@ -201,7 +221,10 @@ class Simulator:
         seed: int = 0,
         weights: PolicyConfig | None = None,
         router: Mapping[str, Any] | None = None,
+        redis_time: Callable[[], float] | None = None,
     ) -> None:
+        """``redis_time``: Redis' own ms running the lookups since its last call (read after
+        each prefix decision, outside its timing)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
         if policy == "prefix" and index is None:
@@ -228,6 +251,9 @@ class Simulator:
         self.lookup_s: list[float] = []  # the index round trip within route_s
         self.hash_s: list[float] = []  # hashing the chain a decision starts with, within route_s
         self.rank_s: list[float] = []  # ranking the fleet, within route_s
+        self.cpu_s: list[float] = []  # this thread's CPU time per decision (no waits)
+        self.redis_time = redis_time if self.index is not None else None
+        self.redis_s: list[float] = []  # Redis' own time per decision (its lookups)
         self.lookups_failed = 0
         self.index_failures = 0  # worker-side calls that timed out (resynced after)
         self._now = 0.0
@@ -294,7 +320,7 @@ class Simulator:
     # ------------------------------------------------------------------ router side
 
     async def _route(self, req: SimRequest, now: float) -> SimWorker:
-        start = time.perf_counter()
+        cpu, start = time.thread_time(), time.perf_counter()
         if self.policy == "round_robin":
             worker = self.workers[next(self._rr)]
         elif self.policy == "pow2":
@@ -305,6 +331,9 @@ class Simulator:
         else:
             worker = await self._rank(req, now)
         self.route_s.append(time.perf_counter() - start)
+        self.cpu_s.append(time.thread_time() - cpu)  # nothing else runs while a decision waits
+        if self.redis_time is not None:
+            self.redis_s.append(self.redis_time() / 1000)
         return worker
 
     def _ray_prefix(self, req: SimRequest, now: float) -> SimWorker:
@@ -503,14 +532,16 @@ async def simulate(
         index = open_index(redis_url, f"sim-{policy}-{num_workers}-{time.time_ns()}",
                            deadline_s=INDEX_DEADLINE_S,
                            settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
-    sim = Simulator(profile, num_workers, policy, config, index, **options)
-    start = time.perf_counter()
-    try:
-        end = await sim.run(reqs)
-    finally:
-        if index is not None:
-            await index.close()
-    wall = time.perf_counter() - start
+    with lookup_times(redis_url if index is not None else None) as redis_time:
+        sim = Simulator(profile, num_workers, policy, config, index, redis_time=redis_time,
+                        **options)
+        start = time.perf_counter()
+        try:
+            end = await sim.run(reqs)
+        finally:
+            if index is not None:
+                await index.close()
+        wall = time.perf_counter() - start
     served = [r for r in reqs if not r.rejected]
     if ceiling is None:
         ceiling = ceiling_for(served, sim.workers[0].engine, num_workers)
@@ -535,7 +566,35 @@ async def simulate(
         hash_p50_ms=percentile(hash_ms := [s * 1000 for s in sim.hash_s], 50),
         hash_p99_ms=percentile(hash_ms, 99), lookup_p50_ms=percentile(lookup_ms, 50),
         rank_p50_ms=percentile(rank_ms := [s * 1000 for s in sim.rank_s], 50),
-        rank_p99_ms=percentile(rank_ms, 99))
+        rank_p99_ms=percentile(rank_ms, 99),
+        cpu_p50_ms=percentile(cpu_ms := [s * 1000 for s in sim.cpu_s], 50),
+        cpu_p99_ms=percentile(cpu_ms, 99),
+        redis_p50_ms=percentile(redis_ms := [s * 1000 for s in sim.redis_s], 50),
+        redis_p99_ms=percentile(redis_ms, 99),
+        work_p50_ms=percentile(work_ms := [c + r for c, r in zip(cpu_ms, redis_ms, strict=True)]
+                                if redis_ms else [], 50),
+        work_p99_ms=percentile(work_ms, 99))
+
+
+@contextmanager
+def lookup_times(redis_url: str | None) -> Iterator[Callable[[], float] | None]:
+    """A reader of Redis' own time (ms) running lookups (the index's lookup and live-workers
+    scripts) since its last call, through the server's SLOWLOG (restored after); None without
+    an index or where the server refuses CONFIG (a managed Redis)."""
+    if redis_url is None:
+        yield None
+        return
+    with redis.Redis.from_url(redis_url) as raw:
+        try:
+            before = slowlog_on(raw)
+        except redis.ResponseError:
+            yield None
+            return
+        shas = (script_sha("lookup"), script_sha("live"))
+        try:
+            yield lambda: sum(slowlog_ms(raw, *shas))
+        finally:
+            slowlog_restore(raw, before)
 
 
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
@@ -659,6 +718,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     for result in results:
         if result.policy == "prefix":
             print(result.parts())
+            print(result.work())
     if trips is not None:
         print(trips.line())
     if args.out:

@@ -74,6 +74,14 @@ def test_prefix_routing_beats_round_robin_under_the_ceiling(redis_server, tmp_pa
     assert 0 < prefix.lookup_p50_ms <= prefix.lookup_p99_ms <= prefix.route_p99_ms
     assert math.isnan(rr.hash_p50_ms) and math.isnan(rr.rank_p99_ms)  # no ranking, no parts
     assert prefix.parts().startswith("prefix at 8 workers, decision parts, ms: hashing p50 ")
+    # the work apart from the waits: one thread's CPU time never exceeds its wall time; Redis'
+    # own time is the lookups' (none without an index); both add up per decision
+    assert 0 < prefix.cpu_p50_ms <= prefix.cpu_p99_ms <= prefix.route_p99_ms
+    assert 0 < prefix.redis_p50_ms <= prefix.redis_p99_ms <= prefix.route_p99_ms
+    assert prefix.work_p50_ms >= max(prefix.cpu_p50_ms, prefix.redis_p50_ms)
+    assert prefix.work_p99_ms >= max(prefix.cpu_p99_ms, prefix.redis_p99_ms)
+    assert rr.cpu_p50_ms >= 0 and math.isnan(rr.redis_p50_ms) and math.isnan(rr.work_p99_ms)
+    assert prefix.work().startswith("prefix at 8 workers, decision work, ms: router CPU p50 ")
 
 
 def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server, tmp_path) -> None:
