@@ -8,6 +8,8 @@ Redis, with no queueing and no client, so benchmarks can report the work apart f
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import redis
 
@@ -50,3 +52,24 @@ def slowlog_ms(raw: redis.Redis, *shas: str) -> list[float]:
             out.append(entry["duration"] / 1000)
     raw.slowlog_reset()
     return out[::-1]  # the log lists the newest first
+
+
+@contextmanager
+def lookup_clock(url: str | None) -> Iterator[Callable[[], float] | None]:
+    """A reader of Redis' own time (ms) running prefix lookups (the index's lookup and
+    live-workers scripts) since its last call, through the SLOWLOG of the server at ``url``
+    (restored after); None without a URL or where the server refuses CONFIG (a managed Redis)."""
+    if url is None:
+        yield None
+        return
+    with redis.Redis.from_url(url) as raw:
+        try:
+            before = slowlog_on(raw)
+        except redis.ResponseError:
+            yield None
+            return
+        shas = (script_sha("lookup"), script_sha("live"))
+        try:
+            yield lambda: sum(slowlog_ms(raw, *shas))
+        finally:
+            slowlog_restore(raw, before)

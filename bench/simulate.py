@@ -41,23 +41,20 @@ import gc
 import heapq
 import itertools
 import json
-import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import redis
 import uvloop
-from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from bench.redis_time import script_sha, slowlog_ms, slowlog_on, slowlog_restore
+from bench.redis_time import lookup_clock
 from bench.round_trip import RoundTrips
 from bench.round_trip import measure as measure_round_trips
+from bench.sim_router import POLICIES, IndexSpec, RouterProcess, RouterSpec, SimRouter
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
@@ -65,15 +62,12 @@ from router.events import EventBatch, KVEvent
 from router.index import (
     IndexSettings,
     IndexUnavailable,
-    LookupResult,
     PrefixIndex,
     ResultCode,
     open_index,
-    within,
 )
 from router.policy import PolicyConfig
-from router.ray_prefix import TOKEN_CHAR_BASE
-from router.router_state import Candidate, RouterSettings, RouterState
+from router.router_state import RouterSettings
 from workers.engine_types import EngineConfig, RequestOutput
 from workers.errors import InvalidRequestError
 from workers.kv_cache import KVCacheManager
@@ -81,8 +75,6 @@ from workers.sampling import SamplingParams
 from workers.sim.engine import SimEngine
 from workers.sim.profiles import SimProfile, profile_for
 
-POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
-RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
 IDLE_HEARTBEAT_S = 5.0  # an idle worker's report interval (the replica's is lease / 3)
 GC_EVERY_EVENTS = 2000  # young generations collected this often (every 100th: all of them)
@@ -222,9 +214,12 @@ class Simulator:
         weights: PolicyConfig | None = None,
         router: Mapping[str, Any] | None = None,
         redis_time: Callable[[], float] | None = None,
+        router_process: IndexSpec | None = None,
     ) -> None:
-        """``redis_time``: Redis' own ms running the lookups since its last call (read after
-        each prefix decision, outside its timing)."""
+        """``router``: RouterSettings fields; ``redis_time``: Redis' own ms running the
+        lookups since its last call (read after each prefix decision, outside its timing);
+        ``router_process``: run the router in a process of its own, with its own connection
+        to this index (and its own Redis timing)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
         if policy == "prefix" and index is None:
@@ -234,27 +229,21 @@ class Simulator:
         self.index = index if policy == "prefix" else None
         self.publish_lag_s = publish_lag_s
         self.heartbeat_s = heartbeat_s
-        self.rng = random.Random(seed)
         self.workers = [self._worker(i, engine_config) for i in range(num_workers)]
-        self.by_name = {w.name: w for w in self.workers}
-        self.state = RouterState(RouterSettings(
+        settings = RouterSettings(
             model="sim", block_size=engine_config.block_size,
             fingerprint=self.workers[0].engine.model_fingerprint,
-            weights=weights or PolicyConfig(),
-            **(router or {})))
-        self.tree = PrefixTree()  # ray_prefix's
-        self.tree.add_tenants([w.name for w in self.workers], 0.0)
+            weights=weights or PolicyConfig(), **(router or {}))
+        names = tuple(w.name for w in self.workers)
+        self.router: SimRouter | RouterProcess
+        if router_process is None:
+            self.router = SimRouter(policy, names, self.index, settings, seed=seed,
+                                    lookup_deadline_s=4 * INDEX_DEADLINE_S, redis_time=redis_time)
+        else:
+            self.router = RouterProcess(RouterSpec(policy, names, settings, seed,
+                                                   router_process))
         self._heap: list[tuple[float, int, str, object]] = []
         self._order = itertools.count()
-        self._rr = itertools.cycle(range(num_workers))
-        self.route_s: list[float] = []
-        self.lookup_s: list[float] = []  # the index round trip within route_s
-        self.hash_s: list[float] = []  # hashing the chain a decision starts with, within route_s
-        self.rank_s: list[float] = []  # ranking the fleet, within route_s
-        self.cpu_s: list[float] = []  # this thread's CPU time per decision (no waits)
-        self.redis_time = redis_time if self.index is not None else None
-        self.redis_s: list[float] = []  # Redis' own time per decision (its lookups)
-        self.lookups_failed = 0
         self.index_failures = 0  # worker-side calls that timed out (resynced after)
         self._now = 0.0
         self._live: dict[str, SimRequest] = {}
@@ -278,8 +267,6 @@ class Simulator:
                 fingerprint=w.engine.model_fingerprint, node="sim")
             await self.index.resync(w.worker_id, 1, [], 0)
             await self._heartbeat(w, 0.0)
-        candidates = [Candidate(w.name) for w in self.workers]
-        self.state.check_workers(await self.index.live_workers(), candidates, 0.0)
 
     async def _heartbeat(self, w: SimWorker, now: float) -> None:
         assert self.index is not None
@@ -317,66 +304,6 @@ class Simulator:
             w.dirty = w.flush_due = True
             self._push(self._now + self.publish_lag_s, "flush", w)
 
-    # ------------------------------------------------------------------ router side
-
-    async def _route(self, req: SimRequest, now: float) -> SimWorker:
-        cpu, start = time.thread_time(), time.perf_counter()
-        if self.policy == "round_robin":
-            worker = self.workers[next(self._rr)]
-        elif self.policy == "pow2":
-            a, b = self.rng.sample(self.workers, 2) if len(self.workers) > 1 else self.workers * 2
-            worker = a if a.ongoing <= b.ongoing else b
-        elif self.policy == "ray_prefix":
-            worker = self._ray_prefix(req, now)
-        else:
-            worker = await self._rank(req, now)
-        self.route_s.append(time.perf_counter() - start)
-        self.cpu_s.append(time.thread_time() - cpu)  # nothing else runs while a decision waits
-        if self.redis_time is not None:
-            self.redis_s.append(self.redis_time() / 1000)
-        return worker
-
-    def _ray_prefix(self, req: SimRequest, now: float) -> SimWorker:
-        """PrefixCacheAffinityRouter's choice (load balanced: its default threshold is inf)."""
-        text = "".join(chr(TOKEN_CHAR_BASE + t) for t in req.tokens)
-        matched, holders = self.tree.prefix_match(text, list(self.by_name))
-        if len(matched) < RAY_MATCH_RATE_THRESHOLD * len(text):
-            holders = self.tree.get_smallest_tenants()
-        candidates = [self.by_name[name] for name in holders or self.by_name]
-        worker = min(candidates, key=lambda w: w.ongoing)  # Serve: the shortest queue, first
-        self.tree.insert(text, worker.name, now)
-        return worker
-
-    async def _rank(self, req: SimRequest, now: float) -> SimWorker:
-        assert self.index is not None
-        state = self.state
-        start = time.perf_counter()
-        ctx = state.context(req.key, req.tokens, None, now)
-        self.hash_s.append(time.perf_counter() - start)
-        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
-        start = time.perf_counter()
-        candidates = [Candidate(w.name, queue_len=w.ongoing) for w in self.workers]
-        ranking = state.rank(req.key, ctx, candidates, result, now)
-        self.rank_s.append(time.perf_counter() - start)
-        best = ranking[0].key
-        state.note_routed(req.key, best, ctx, str(req.key), now)
-        return self.by_name[best]
-
-    async def _lookup(self, chain: list[bytes], now: float) -> LookupResult | None:
-        assert self.index is not None
-        if self.state.lookup_blocked(now) is not None:
-            return None
-        start = time.perf_counter()
-        try:
-            result = await within(self.index.lookup(chain), 4 * INDEX_DEADLINE_S)
-        except Exception:  # fail open, as the request router does
-            self.lookups_failed += 1
-            self.state.lookup_failed(now)
-            return None
-        self.lookup_s.append(time.perf_counter() - start)
-        self.state.looked_up(result)
-        return result
-
     # ------------------------------------------------------------------ the event loop
 
     async def run(self, requests: Sequence[SimRequest]) -> float:
@@ -384,6 +311,7 @@ class Simulator:
         if self.index is not None:
             await self._register()
             self._push(self.heartbeat_s, "heartbeat", None)
+        await self.router.start()
         for req in requests:
             req.arrival_s += ARRIVAL_LAG_S
             self._push(req.arrival_s, "arrival", req)
@@ -401,6 +329,7 @@ class Simulator:
             gc.unfreeze()
             if was_enabled:
                 gc.enable()
+            await self.router.close()
         return self._now
 
     async def _replay(self, pending: int) -> None:
@@ -427,16 +356,15 @@ class Simulator:
                 self._push(now + self.heartbeat_s, "heartbeat", None)
 
     async def _arrive(self, req: SimRequest, now: float) -> None:
-        worker = await self._route(req, now)
-        if self.policy == "prefix":  # after the decision, as Serve's on_request_routed
-            self.state.sent(req.key, worker.name, str(req.key), now)
+        ongoing = [w.ongoing for w in self.workers]  # Serve's queue lengths
+        worker = self.workers[await self.router.route(req.key, req.tokens, ongoing, now)]
         req.worker = worker.index
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
         try:
             worker.engine.add_request(str(req.key), req.tokens, params)
         except InvalidRequestError:
             req.rejected = True
-            self.state.completed(worker.name, str(req.key))
+            self.router.completed(worker.index, req.key)
             return
         worker.ongoing += 1
         self._live[str(req.key)] = req
@@ -464,7 +392,7 @@ class Simulator:
                 req.finish_s = now
                 del self._live[out.request_id]
                 w.ongoing -= 1
-                self.state.completed(w.name, out.request_id)
+                self.router.completed(w.index, req.key)
         if w.step_events:
             w.unpublished.extend(w.step_events)
             w.step_events.clear()
@@ -520,6 +448,7 @@ async def simulate(
     redis_url: str | None,
     *,
     ceiling: float | None = None,
+    router_process: bool = False,
     **options: Any,
 ) -> RunResult:
     """One run on fresh copies of ``requests``; ``ceiling`` is computed when not given;
@@ -527,14 +456,16 @@ async def simulate(
     router: RouterSettings fields)."""
     reqs = fresh(requests)
     index = None
+    model = f"sim-{policy}-{num_workers}-{time.time_ns()}"
+    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S)
     if policy == "prefix":
         assert redis_url is not None, "the prefix policy needs redis_url"
-        index = open_index(redis_url, f"sim-{policy}-{num_workers}-{time.time_ns()}",
-                           deadline_s=INDEX_DEADLINE_S,
-                           settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
-    with lookup_times(redis_url if index is not None else None) as redis_time:
+        index = open_index(redis_url, model, deadline_s=INDEX_DEADLINE_S, settings=settings)
+    url = redis_url if index is not None else None
+    where = IndexSpec(url, model, settings, INDEX_DEADLINE_S) if router_process else None
+    with lookup_clock(None if router_process else url) as redis_time:
         sim = Simulator(profile, num_workers, policy, config, index, redis_time=redis_time,
-                        **options)
+                        router_process=where, **options)
         start = time.perf_counter()
         try:
             end = await sim.run(reqs)
@@ -550,7 +481,8 @@ async def simulate(
     queried = sum(s.prompt_tokens_queried for s in stats)
     busy = [w.busy_s for w in sim.workers]
     mean_busy = sum(busy) / len(busy)
-    route_ms = [s * 1000 for s in sim.route_s]
+    timed = sim.router.timings
+    route_ms = [s * 1000 for s in timed.route_s]
     return RunResult(
         policy=policy, workers=num_workers, requests=len(reqs),
         rejected=len(reqs) - len(served),
@@ -560,41 +492,20 @@ async def simulate(
         ttft_p99_s=percentile(ttft, 99),
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
         route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
-        lookup_p99_ms=percentile(lookup_ms := [s * 1000 for s in sim.lookup_s], 99),
-        sim_time_s=end, wall_s=wall, lookups_failed=sim.lookups_failed,
+        lookup_p99_ms=percentile(lookup_ms := [s * 1000 for s in timed.lookup_s], 99),
+        sim_time_s=end, wall_s=wall, lookups_failed=timed.lookups_failed,
         index_failures=sim.index_failures,
-        hash_p50_ms=percentile(hash_ms := [s * 1000 for s in sim.hash_s], 50),
+        hash_p50_ms=percentile(hash_ms := [s * 1000 for s in timed.hash_s], 50),
         hash_p99_ms=percentile(hash_ms, 99), lookup_p50_ms=percentile(lookup_ms, 50),
-        rank_p50_ms=percentile(rank_ms := [s * 1000 for s in sim.rank_s], 50),
+        rank_p50_ms=percentile(rank_ms := [s * 1000 for s in timed.rank_s], 50),
         rank_p99_ms=percentile(rank_ms, 99),
-        cpu_p50_ms=percentile(cpu_ms := [s * 1000 for s in sim.cpu_s], 50),
+        cpu_p50_ms=percentile(cpu_ms := [s * 1000 for s in timed.cpu_s], 50),
         cpu_p99_ms=percentile(cpu_ms, 99),
-        redis_p50_ms=percentile(redis_ms := [s * 1000 for s in sim.redis_s], 50),
+        redis_p50_ms=percentile(redis_ms := [s * 1000 for s in timed.redis_s], 50),
         redis_p99_ms=percentile(redis_ms, 99),
         work_p50_ms=percentile(work_ms := [c + r for c, r in zip(cpu_ms, redis_ms, strict=True)]
                                 if redis_ms else [], 50),
         work_p99_ms=percentile(work_ms, 99))
-
-
-@contextmanager
-def lookup_times(redis_url: str | None) -> Iterator[Callable[[], float] | None]:
-    """A reader of Redis' own time (ms) running lookups (the index's lookup and live-workers
-    scripts) since its last call, through the server's SLOWLOG (restored after); None without
-    an index or where the server refuses CONFIG (a managed Redis)."""
-    if redis_url is None:
-        yield None
-        return
-    with redis.Redis.from_url(redis_url) as raw:
-        try:
-            before = slowlog_on(raw)
-        except redis.ResponseError:
-            yield None
-            return
-        shas = (script_sha("lookup"), script_sha("live"))
-        try:
-            yield lambda: sum(slowlog_ms(raw, *shas))
-        finally:
-            slowlog_restore(raw, before)
 
 
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
@@ -650,7 +561,8 @@ async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips
                                         publish_lag_s=args.publish_lag_ms / 1000,
                                         heartbeat_s=args.heartbeat_s, seed=args.seed,
                                         ceiling=ceiling, weights=weights,
-                                        router=dict(args.router))
+                                        router=dict(args.router),
+                                        router_process=args.router_process)
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -710,6 +622,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                         type=parse_router_setting,
                         help="a RouterSettings field, e.g. max_match_tokens=16384, repeatable")
     parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    parser.add_argument("--router-process", action="store_true",
+                        help="run the router in a process of its own, as a live one runs in "
+                        "the ingress's, not between the simulated fleet's steps (the same "
+                        "decisions; their times without the fleet's cache traffic)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's

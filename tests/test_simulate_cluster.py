@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.round_trip import RoundTrips
+from bench.sim_router import IndexSpec, RouterProcess, SimRouter
 from bench.simulate import (
     LEASE_TTL_S,
     SimRequest,
@@ -99,15 +100,16 @@ def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server,
     assert affine.busy_imbalance == 8.0 > default.busy_imbalance  # all on one of 8 workers
     weights = PolicyConfig(eviction_weight=0.7)
     sim = Simulator(profile, 2, "round_robin", config, None, weights=weights)
-    assert sim.state.settings.weights == weights
+    assert isinstance(sim.router, SimRouter) and sim.router.state.settings.weights == weights
 
 
 async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: str,
-                 **router: int) -> tuple[Simulator, list[int | None]]:
+                 own_process: bool = False, **router: int) -> tuple[Simulator, list[int | None]]:
     """A prefix-policy run over 8 workers: the simulator and where each request went."""
-    index = open_index(redis_url, f"t-{time.time_ns()}", deadline_s=2.0,
-                       settings=IndexSettings(lease_ttl_s=LEASE_TTL_S))
-    sim = Simulator(PROFILE, 8, "prefix", config, index, router=router)
+    model, settings = f"t-{time.time_ns()}", IndexSettings(lease_ttl_s=LEASE_TTL_S)
+    index = open_index(redis_url, model, deadline_s=2.0, settings=settings)
+    where = IndexSpec(redis_url, model, settings, 2.0) if own_process else None
+    sim = Simulator(PROFILE, 8, "prefix", config, index, router=router, router_process=where)
     reqs = fresh(requests)
     try:
         await sim.run(reqs)
@@ -124,11 +126,25 @@ def test_long_prompts_hashed_as_needed_route_as_if_hashed_whole(redis_server) ->
                           max_num_batched_tokens=PROFILE.max_num_batched_tokens)
     memo, with_memo = asyncio.run(replay(requests, config, redis_server.url))
     bare, without = asyncio.run(replay(requests, config, redis_server.url, hash_memo_tokens=0))
-    assert bare.state.memo.max_runs == 0 < memo.state.memo.max_runs
+    assert isinstance(memo.router, SimRouter) and isinstance(bare.router, SimRouter)
+    assert bare.router.state.memo.max_runs == 0 < memo.router.state.memo.max_runs
     # without the memo every deep match is found by hashing more and looking up again ...
-    assert len(bare.lookup_s) > len(memo.lookup_s) >= len(requests)
+    assert len(bare.router.timings.lookup_s) > len(memo.router.timings.lookup_s) >= len(requests)
     # ... and every request goes where the whole chains send it
     assert without == with_memo and len(set(with_memo)) > 1
+
+
+def test_a_router_in_its_own_process_makes_the_same_decisions(redis_server, tmp_path) -> None:
+    requests, config = workload(tmp_path, 40)
+    here, routed_here = asyncio.run(replay(requests, config, redis_server.url))
+    there, routed_there = asyncio.run(replay(requests, config, redis_server.url, True))
+    assert isinstance(there.router, RouterProcess)
+    assert routed_there == routed_here and len(set(routed_here)) > 1
+    # its timings came back when it closed: one per decision, each lookup's, Redis' own
+    timed = there.router.timings
+    assert len(timed.route_s) == len(timed.cpu_s) == len(timed.redis_s) == len(requests)
+    assert len(timed.lookup_s) == len(here.router.timings.lookup_s) >= len(requests)
+    assert sum(timed.redis_s) > 0 and timed.lookups_failed == 0
 
 
 def test_weight_option_parses_and_refuses_unknown_names() -> None:

@@ -1,0 +1,269 @@
+"""The router's side of the simulated cluster (:mod:`bench.simulate`): each policy's decision
+for a request, timed, in the simulator's process or in a process of its own.
+
+In the simulator's process every decision runs between the simulated fleet's steps, event
+flushes and heartbeats: 64 engines' bookkeeping leaves the CPU caches cold, and a lookup's
+client side then costs about twice its CPU time. A live router shares its process with the
+ingress only, so :class:`RouterProcess` runs the same :class:`SimRouter` in a child process
+with its own index connection, in lock step: the simulator waits for each decision, so
+simulated time and the decisions are exactly those of the in-process run.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import multiprocessing
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import uvloop
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+from bench.redis_time import lookup_clock
+from router.index import IndexSettings, LookupResult, PrefixIndex, open_index, within
+from router.ray_prefix import TOKEN_CHAR_BASE
+from router.router_state import Candidate, RouterSettings, RouterState
+
+POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
+RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
+GC_EVERY_DECISIONS = 1000  # a router process collects between decisions this often
+
+
+@dataclass
+class Timings:
+    """Per decision, in seconds: wall time, the router's CPU time and Redis' own time running
+    its lookups; per part: hashing the chain a decision starts with, each lookup, ranking."""
+
+    route_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)  # this thread's, so no waits
+    redis_s: list[float] = field(default_factory=list)  # prefix only
+    hash_s: list[float] = field(default_factory=list)
+    lookup_s: list[float] = field(default_factory=list)
+    rank_s: list[float] = field(default_factory=list)
+    lookups_failed: int = 0
+
+
+class SimRouter:
+    """One policy routing to workers known by name; a decision returns the worker's index.
+
+    ``redis_time`` (prefix): Redis' own ms running the lookups since its last call, read after
+    each decision, outside its timing."""
+
+    def __init__(self, policy: str, names: Sequence[str], index: PrefixIndex | None,
+                 settings: RouterSettings, *, seed: int = 0, lookup_deadline_s: float = 8.0,
+                 redis_time: Callable[[], float] | None = None) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+        if policy == "prefix" and index is None:
+            raise ValueError("the prefix policy needs an index")
+        self.policy = policy
+        self.names = list(names)
+        self.at = {name: i for i, name in enumerate(self.names)}
+        self.index = index if policy == "prefix" else None
+        self.state = RouterState(settings)
+        self.rng = random.Random(seed)
+        self.tree = PrefixTree()  # ray_prefix's
+        self.tree.add_tenants(self.names, 0.0)
+        self.lookup_deadline_s = lookup_deadline_s
+        self.redis_time = redis_time if self.index is not None else None
+        self.timings = Timings()
+        self._rr = itertools.cycle(range(len(self.names)))
+
+    async def start(self) -> None:
+        """Adopt the registered workers (prefix): their block size and model fingerprint."""
+        if self.index is not None:
+            candidates = [Candidate(name) for name in self.names]
+            self.state.check_workers(await self.index.live_workers(), candidates, 0.0)
+
+    async def route(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
+                    now: float) -> int:
+        """The worker for request ``key``; ``ongoing``: each worker's requests in flight."""
+        t = self.timings
+        cpu, start = time.thread_time(), time.perf_counter()
+        if self.policy == "round_robin":
+            chosen = next(self._rr)
+        elif self.policy == "pow2":
+            n = len(self.names)
+            a, b = self.rng.sample(range(n), 2) if n > 1 else (0, 0)
+            chosen = a if ongoing[a] <= ongoing[b] else b
+        elif self.policy == "ray_prefix":
+            chosen = self._ray_prefix(tokens, ongoing, now)
+        else:
+            chosen = await self._rank(key, tokens, ongoing, now)
+        t.route_s.append(time.perf_counter() - start)
+        t.cpu_s.append(time.thread_time() - cpu)  # nothing else runs while a decision waits
+        if self.redis_time is not None:
+            t.redis_s.append(self.redis_time() / 1000)
+        if self.policy == "prefix":  # after the decision, as Serve's on_request_routed
+            self.state.sent(key, self.names[chosen], str(key), now)
+        return chosen
+
+    def completed(self, worker: int, key: int) -> None:
+        self.state.completed(self.names[worker], str(key))
+
+    async def close(self) -> None:
+        """Nothing to release here (the index is the caller's)."""
+
+    def _ray_prefix(self, tokens: Sequence[int], ongoing: Sequence[int], now: float) -> int:
+        """PrefixCacheAffinityRouter's choice (load balanced: its default threshold is inf)."""
+        text = "".join(chr(TOKEN_CHAR_BASE + t) for t in tokens)
+        matched, holders = self.tree.prefix_match(text, self.names)
+        if len(matched) < RAY_MATCH_RATE_THRESHOLD * len(text):
+            holders = self.tree.get_smallest_tenants()
+        candidates = [self.at[name] for name in holders or self.names]
+        chosen = min(candidates, key=lambda i: ongoing[i])  # Serve: the shortest queue, first
+        self.tree.insert(text, self.names[chosen], now)
+        return chosen
+
+    async def _rank(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
+                    now: float) -> int:
+        state, t = self.state, self.timings
+        start = time.perf_counter()
+        ctx = state.context(key, tokens, None, now)
+        t.hash_s.append(time.perf_counter() - start)
+        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
+        start = time.perf_counter()
+        candidates = [Candidate(name, queue_len=q) for name, q in zip(self.names, ongoing,
+                                                                      strict=True)]
+        ranking = state.rank(key, ctx, candidates, result, now)
+        t.rank_s.append(time.perf_counter() - start)
+        best = ranking[0].key
+        state.note_routed(key, best, ctx, str(key), now)
+        return self.at[best]
+
+    async def _lookup(self, chain: list[bytes], now: float) -> LookupResult | None:
+        assert self.index is not None
+        if self.state.lookup_blocked(now) is not None:
+            return None
+        start = time.perf_counter()
+        try:
+            result = await within(self.index.lookup(chain), self.lookup_deadline_s)
+        except Exception:  # fail open, as the request router does
+            self.timings.lookups_failed += 1
+            self.state.lookup_failed(now)
+            return None
+        self.timings.lookup_s.append(time.perf_counter() - start)
+        self.state.looked_up(result)
+        return result
+
+
+@dataclass(frozen=True)
+class IndexSpec:
+    """Where a router process finds the index: its own connection to it."""
+
+    url: str | None  # None: no index (every policy but prefix)
+    model: str
+    settings: IndexSettings
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """What a router process needs to build its :class:`SimRouter`."""
+
+    policy: str
+    names: tuple[str, ...]
+    settings: RouterSettings
+    seed: int
+    index: IndexSpec
+
+
+class RouterProcess:
+    """A :class:`SimRouter` in a child process (spawned: no state shared with the simulator),
+    driven in lock step over a pipe. Completions ride with the next decision, in order."""
+
+    def __init__(self, spec: RouterSpec) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_child, args=(child, spec), daemon=True)
+        self._process.start()
+        child.close()
+        self._done: list[tuple[int, int]] = []
+        self._answering = True  # until it sent its timings or an exception
+        self.timings = Timings()
+
+    def _call(self, *message: Any) -> Any:
+        try:
+            self._conn.send(message)
+            reply = self._conn.recv()
+        except BaseException:  # the child is gone (or going): nothing more to ask it
+            self._answering = False
+            raise
+        if isinstance(reply, BaseException):
+            self._answering = False
+            raise reply
+        return reply
+
+    async def start(self) -> None:
+        self._call("start")
+
+    async def route(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
+                    now: float) -> int:
+        done, self._done = self._done, []
+        return self._call("route", key, tokens, ongoing, now, done)
+
+    def completed(self, worker: int, key: int) -> None:
+        self._done.append((worker, key))
+
+    async def close(self) -> None:
+        """Stop the child; its timings become this object's."""
+        if self._answering:
+            self._answering = False
+            self.timings = self._call("close")
+        self._process.join(10)
+        self._conn.close()
+
+
+def _child(conn: Connection, spec: RouterSpec) -> None:
+    uvloop.run(_serve(conn, spec))  # as Ray runs Serve's
+
+
+async def _serve(conn: Connection, spec: RouterSpec) -> None:
+    where, index = spec.index, None
+    if where.url is not None:
+        index = open_index(where.url, where.model, deadline_s=where.deadline_s,
+                           settings=where.settings)
+    try:
+        with lookup_clock(where.url) as redis_time:
+            router = SimRouter(spec.policy, spec.names, index, spec.settings, seed=spec.seed,
+                               lookup_deadline_s=4 * where.deadline_s, redis_time=redis_time)
+            await _answer(conn, router)
+    finally:
+        if index is not None:
+            await index.close()
+        conn.close()
+
+
+async def _answer(conn: Connection, router: SimRouter) -> None:
+    """Answer the simulator's messages until it closes; the collector runs between decisions,
+    as in the simulator's own process."""
+    decisions = 0
+    gc.disable()
+    while True:
+        kind, *args = conn.recv()
+        try:
+            if kind == "start":
+                await router.start()
+                gc.collect()
+                gc.freeze()
+                reply: Any = None
+            elif kind == "route":
+                *request, done = args
+                for worker, key in done:
+                    router.completed(worker, key)
+                reply = await router.route(*request)
+                decisions += 1
+                if decisions % GC_EVERY_DECISIONS == 0:
+                    gc.collect(1)
+            else:
+                conn.send(router.timings)
+                return
+        except Exception as exc:  # the simulator re-raises it
+            conn.send(exc)
+            return
+        conn.send(reply)
