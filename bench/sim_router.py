@@ -2,11 +2,12 @@
 for a request, timed, in the simulator's process or in a process of its own.
 
 In the simulator's process every decision runs between the simulated fleet's steps, event
-flushes and heartbeats: 64 engines' bookkeeping leaves the CPU caches cold, and a lookup's
-client side then costs about twice its CPU time. A live router shares its process with the
-ingress only, so :class:`RouterProcess` runs the same :class:`SimRouter` in a child process
+flushes and heartbeats, which leave the CPU caches cold; a live router shares its process with
+the ingress only. :class:`RouterProcess` runs the same :class:`SimRouter` in a child process
 with its own index connection, in lock step: the simulator waits for each decision, so
-simulated time and the decisions are exactly those of the in-process run.
+simulated time and the decisions are exactly those of the in-process run. Where the router
+gets a core of its own, its decisions are timed without the fleet's work between them (on a
+2-vCPU machine the two share the cores, and the figures come out the same either way).
 """
 
 from __future__ import annotations
