@@ -33,6 +33,17 @@ from router.router_state import Candidate, RouterSettings, RouterState
 POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 GC_EVERY_DECISIONS = 1000  # a router process collects between decisions this often
+# A decision waits this many index deadlines for a lookup: a busy simulator must not fail open
+# where a router would not.
+LOOKUP_WAIT_DEADLINES = 4
+
+
+def check_policy(policy: str, index: object | None) -> None:
+    """ValueError for an unknown policy, or the prefix policy without an index."""
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
+    if policy == "prefix" and index is None:
+        raise ValueError("the prefix policy needs an index")
 
 
 @dataclass
@@ -52,16 +63,13 @@ class Timings:
 class SimRouter:
     """One policy routing to workers known by name; a decision returns the worker's index.
 
-    ``redis_time`` (prefix): Redis' own ms running the lookups since its last call, read after
-    each decision, outside its timing."""
+    ``index_deadline_s``: the index client's deadline; ``redis_time`` (prefix): Redis' own ms
+    running the lookups since its last call, read after each decision, outside its timing."""
 
     def __init__(self, policy: str, names: Sequence[str], index: PrefixIndex | None,
-                 settings: RouterSettings, *, seed: int = 0, lookup_deadline_s: float = 8.0,
+                 settings: RouterSettings, *, index_deadline_s: float, seed: int = 0,
                  redis_time: Callable[[], float] | None = None) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
-        if policy == "prefix" and index is None:
-            raise ValueError("the prefix policy needs an index")
+        check_policy(policy, index)
         self.policy = policy
         self.names = list(names)
         self.at = {name: i for i, name in enumerate(self.names)}
@@ -70,7 +78,7 @@ class SimRouter:
         self.rng = random.Random(seed)
         self.tree = PrefixTree()  # ray_prefix's
         self.tree.add_tenants(self.names, 0.0)
-        self.lookup_deadline_s = lookup_deadline_s
+        self.lookup_wait_s = LOOKUP_WAIT_DEADLINES * index_deadline_s
         self.redis_time = redis_time if self.index is not None else None
         self.timings = Timings()
         self._rr = itertools.cycle(range(len(self.names)))
@@ -143,7 +151,7 @@ class SimRouter:
             return None
         start = time.perf_counter()
         try:
-            result = await within(self.index.lookup(chain), self.lookup_deadline_s)
+            result = await within(self.index.lookup(chain), self.lookup_wait_s)
         except Exception:  # fail open, as the request router does
             self.timings.lookups_failed += 1
             self.state.lookup_failed(now)
@@ -231,8 +239,9 @@ async def _serve(conn: Connection, spec: RouterSpec) -> None:
                            settings=where.settings)
     try:
         with lookup_clock(where.url) as redis_time:
-            router = SimRouter(spec.policy, spec.names, index, spec.settings, seed=spec.seed,
-                               lookup_deadline_s=4 * where.deadline_s, redis_time=redis_time)
+            router = SimRouter(spec.policy, spec.names, index, spec.settings,
+                               index_deadline_s=where.deadline_s, seed=spec.seed,
+                               redis_time=redis_time)
             await _answer(conn, router)
     finally:
         if index is not None:

@@ -54,7 +54,14 @@ import uvloop
 from bench.redis_time import lookup_clock
 from bench.round_trip import RoundTrips
 from bench.round_trip import measure as measure_round_trips
-from bench.sim_router import POLICIES, IndexSpec, RouterProcess, RouterSpec, SimRouter
+from bench.sim_router import (
+    POLICIES,
+    IndexSpec,
+    RouterProcess,
+    RouterSpec,
+    SimRouter,
+    check_policy,
+)
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
@@ -220,10 +227,7 @@ class Simulator:
         lookups since its last call (read after each prefix decision, outside its timing);
         ``router_process``: run the router in a process of its own, with its own connection
         to this index (and its own Redis timing)."""
-        if policy not in POLICIES:
-            raise ValueError(f"unknown policy {policy!r} (known: {', '.join(POLICIES)})")
-        if policy == "prefix" and index is None:
-            raise ValueError("the prefix policy needs an index")
+        check_policy(policy, index)  # here too: a router process would only fail at start
         self.profile = profile
         self.policy = policy
         self.index = index if policy == "prefix" else None
@@ -237,8 +241,9 @@ class Simulator:
         names = tuple(w.name for w in self.workers)
         self.router: SimRouter | RouterProcess
         if router_process is None:
-            self.router = SimRouter(policy, names, self.index, settings, seed=seed,
-                                    lookup_deadline_s=4 * INDEX_DEADLINE_S, redis_time=redis_time)
+            self.router = SimRouter(policy, names, self.index, settings,
+                                    index_deadline_s=INDEX_DEADLINE_S, seed=seed,
+                                    redis_time=redis_time)
         else:
             self.router = RouterProcess(RouterSpec(policy, names, settings, seed,
                                                    router_process))

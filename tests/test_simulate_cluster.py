@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.round_trip import RoundTrips
-from bench.sim_router import IndexSpec, RouterProcess, SimRouter
+from bench.sim_router import IndexSpec, RouterProcess, SimRouter, check_policy
 from bench.simulate import (
     LEASE_TTL_S,
     SimRequest,
@@ -145,6 +145,15 @@ def test_a_router_in_its_own_process_makes_the_same_decisions(redis_server, tmp_
     assert len(timed.route_s) == len(timed.cpu_s) == len(timed.redis_s) == len(requests)
     assert len(timed.lookup_s) == len(here.router.timings.lookup_s) >= len(requests)
     assert sum(timed.redis_s) > 0 and timed.lookups_failed == 0
+
+
+def test_policies_are_checked_before_anything_starts() -> None:
+    check_policy("round_robin", None)
+    check_policy("prefix", object())
+    with pytest.raises(ValueError, match="unknown policy 'random'"):
+        check_policy("random", object())
+    with pytest.raises(ValueError, match="the prefix policy needs an index"):
+        check_policy("prefix", None)
 
 
 def test_weight_option_parses_and_refuses_unknown_names() -> None:
