@@ -81,10 +81,11 @@ class LocalPredictions:
         if not chain:
             return depth
         for _, worker, sent, _ in self._sent:
-            if sent and sent[0] == chain[0]:
-                shared = common_blocks(chain, sent)
-                if shared > depth.get(worker, 0):
-                    depth[worker] = shared
+            best = depth.get(worker, 0)
+            # one comparison rules out a chain that cannot go deeper (at a high request rate
+            # most share only a system prompt): no binary search per recent chain
+            if shares_block(chain, sent, best):
+                depth[worker] = common_blocks(chain, sent, best + 1)
         return depth
 
     def chains(self, now: float) -> list[Sequence[bytes]]:
@@ -99,9 +100,16 @@ def goes_past(chain: Sequence[bytes], other: Sequence[bytes]) -> bool:
     return 0 < n < len(other) and other[n - 1] == chain[n - 1]
 
 
-def common_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
-    """Length of the common prefix of two chains (a chained hash equal at i is equal before)."""
-    lo, hi = 0, min(len(a), len(b))
+def shares_block(a: Sequence[bytes], b: Sequence[bytes], i: int) -> bool:
+    """Whether two chains both hold block ``i`` and it is the same: then, chained, so is every
+    block before it."""
+    return i < len(a) and i < len(b) and a[i] == b[i]
+
+
+def common_blocks(a: Sequence[bytes], b: Sequence[bytes], lo: int = 0) -> int:
+    """Length of the common prefix of two chains (a chained hash equal at i is equal before),
+    known to be at least ``lo``."""
+    hi = min(len(a), len(b))
     while lo < hi:  # binary search: the first differing block
         mid = (lo + hi) // 2
         if a[mid] == b[mid]:
@@ -128,8 +136,10 @@ class Routed:
         A request that follows another with the same prefix needs that work done anyway (here
         or, twice over, elsewhere), so it must not count as a backlog that pushes it away.
         """
-        shared = common_blocks(self.chain, chain)
-        overlap = max(0, shared - self.start_block) * block_size
+        start = self.start_block
+        if not shares_block(self.chain, chain, start):  # nothing shared past its start: O(1)
+            return self.new_tokens
+        overlap = (common_blocks(self.chain, chain, start + 1) - start) * block_size
         return max(0, self.new_tokens - overlap)
 
 

@@ -18,6 +18,7 @@ from router.router_state import (
     RouterSettings,
     RouterState,
     common_blocks,
+    shares_block,
     tie_key,
 )
 
@@ -53,6 +54,28 @@ def test_common_blocks() -> None:
     assert common_blocks(A, C) == 0
     assert common_blocks(A, []) == 0
     assert common_blocks(A, A[:3]) == 3
+    assert common_blocks(A, B, lo=2) == 4  # lo: known equal before it, the search starts there
+    assert common_blocks(A, A, lo=6) == 6
+
+
+def test_shares_block() -> None:
+    assert shares_block(A, B, 3) and not shares_block(A, B, 4)
+    assert shares_block(A, A, 5) and not shares_block(A, A, 6)  # past both ends
+    assert not shares_block(A, A[:3], 3) and not shares_block(A[:3], A, 3)
+    assert not shares_block(A, C, 0)
+
+
+def test_local_depth_is_the_deepest_of_a_workers_chains_in_any_order() -> None:
+    """Each worker's deepest chain counts, recorded before or after its shallower ones (a
+    chain is passed over only when it cannot beat the depth found so far)."""
+    cases = [([A, B[:5], A[:2]], 6), ([A[:2], B[:5], A], 6), ([B[:5], A[:2], A[:5]], 5)]
+    for order, deepest in cases:
+        local = LocalPredictions(ttl_s=2.0)
+        for chain in order:
+            local.record(chain, "w", now=0.0)
+        local.record(B[:3], "v", now=0.0)
+        assert local.depths(A, now=1.0) == {"w": deepest, "v": 3}
+        assert local.depths(B, now=1.0) == {"w": 5, "v": 3}
 
 
 def test_local_predictions_give_consecutive_depth_and_expire() -> None:
@@ -87,6 +110,11 @@ def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
     assert other.unshared_tokens(A, 16) == 64
     # B shares 4 of the leader's blocks: the other 2 blocks + tail are a real backlog.
     assert leader.unshared_tokens(B, 16) == 2 * 16 + 3
+    # Shared only up to where a request starts: all of its prefill is a backlog.
+    late = Routed("w", 0.0, new_tokens=35, chain=A, start_block=4, internal_id="r")
+    assert late.unshared_tokens(B, 16) == 35
+    assert late.unshared_tokens(A, 16) == 35 - 2 * 16
+    assert Routed("w", 0.0, 7, A[:2], 5, "r").unshared_tokens(A, 16) == 7  # starts past its end
 
 
 def test_context_hashes_once_with_the_tenant_namespace() -> None:
