@@ -1,0 +1,168 @@
+"""What one routing decision costs the router with nothing else running: the floor under the
+simulator's decision times (``bench.simulate``), where 64 simulated engines and Redis share the
+router's cores and caches.
+
+One :class:`RouterState` routes to ``--workers`` workers registered in a real Redis. Each worker
+holds some prompts of each length (their blocks stored through the index's event path), and each
+decision asks for one of them with new turn appended, as a chat's next turn does. Per prompt
+length it prints the router's CPU time per part (hashing, the lookups, ranking) and in all, and
+whether every decision found its worker (the chosen worker's confirmed depth is the whole held
+prompt): the figures are for decisions that did the full work.
+
+    python -m bench.decision_floor --workers 64 --lengths 2000,8000,32000,80000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cluster.local_redis import LocalRedis
+from router.blocks import hash_chain, namespace
+from router.events import BlockStored, EventBatch, WorkerLoad
+from router.index import IndexSettings, PrefixIndex, open_index
+from router.router_state import Candidate, RouterSettings, RouterState
+
+BLOCK_SIZE = 16
+FINGERPRINT = "decision-floor"
+TURN_TOKENS = 800  # appended to a held prompt: the next turn's new text
+EVENT_BLOCKS = 512  # blocks per stored event, as a long prefill's steps report them
+
+
+@dataclass(frozen=True)
+class Floor:
+    """One prompt length's decisions: CPU ms per part at the p50 and p99, and how many found
+    their worker."""
+
+    tokens: int
+    decisions: int
+    found: int
+    p50: tuple[float, float, float, float]  # hashing, lookups, ranking, all
+    p99: tuple[float, float, float, float]
+
+
+async def _fill(index: PrefixIndex, names: Sequence[str], prompts: Sequence[list[int]]
+                ) -> list[int]:
+    """Register the workers and store prompt i on worker i (mod the fleet); its worker ids."""
+    ids = []
+    for name in names:
+        wid = await index.register(name, epoch=1, block_size=BLOCK_SIZE, fingerprint=FINGERPRINT)
+        await index.resync(wid, 1, [], 0)
+        await index.heartbeat(wid, 1, WorkerLoad(num_running=2, prefill_tokens_per_s=9000.0,
+                                                  kv_total_blocks=30_000, kv_empty_blocks=500,
+                                                  timestamp=time.time()))
+        ids.append(wid)
+    seq = dict.fromkeys(ids, 0)
+    ns = namespace(FINGERPRINT)
+    for i, prompt in enumerate(prompts):
+        wid = ids[i % len(ids)]
+        chain = hash_chain(prompt, BLOCK_SIZE, ns)
+        for start in range(0, len(chain), EVENT_BLOCKS):
+            seq[wid] += 1
+            batch = (BlockStored(tuple(chain[start : start + EVENT_BLOCKS])),)
+            await index.apply(EventBatch(wid, 1, seq[wid], batch))
+    return ids
+
+
+async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
+                  prompts_per_length: int = 8, rounds: int = 4, seed: int = 0) -> list[Floor]:
+    """Decisions for ``prompts_per_length`` held prompts of each length, ``rounds`` times each
+    (the first round warms the router's memo and is not counted)."""
+    rng = random.Random(seed)
+    names = [f"floor-worker-{i}" for i in range(workers)]
+    held = {n: [[rng.randrange(50_000) for _ in range(n)] for _ in range(prompts_per_length)]
+            for n in lengths}
+    everything = [p for n in lengths for p in held[n]]
+    model = f"floor-{time.time_ns()}"
+    index = open_index(redis_url, model, deadline_s=1.0, settings=IndexSettings())
+    try:
+        await _fill(index, names, everything)
+        state = RouterState(RouterSettings(model=model, block_size=BLOCK_SIZE,
+                                           fingerprint=FINGERPRINT))
+        state.check_workers(await index.live_workers(), [], time.time())
+        candidates = [Candidate(name, queue_len=2) for name in names]
+        owner = {id(p): names[i % workers] for i, p in enumerate(everything)}
+        out, key = [], 0
+        for n in lengths:
+            rows, found = [], 0
+            for r in range(rounds):
+                for prompt in held[n]:
+                    key += 1
+                    tokens = prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)]
+                    row, depth = await _decide(state, index, key, tokens, candidates,
+                                               owner[id(prompt)])
+                    if r:
+                        rows.append(row)
+                        found += depth == n // BLOCK_SIZE
+            ms = np.array(rows) * 1000
+            out.append(Floor(n, len(rows), found,
+                             tuple(np.percentile(ms, 50, axis=0).tolist()),
+                             tuple(np.percentile(ms, 99, axis=0).tolist())))
+        return out
+    finally:
+        await index.close()
+
+
+async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: list[int],
+                  candidates: list[Candidate], owner: str
+                  ) -> tuple[tuple[float, float, float, float], int]:
+    """One decision's CPU seconds per part, and the confirmed depth it credited the owner."""
+    now = time.time()
+    clock = time.thread_time
+    start = clock()
+    ctx = state.context(key, tokens, None, now)
+    hashed = clock()
+    result = await state.match(ctx, index.lookup, now)
+    looked = clock()
+    ranking = state.rank(key, ctx, candidates, result, now)
+    ranked = clock()
+    state.note_routed(key, ranking[0].key, ctx, str(key), now)
+    state.sent(key, ranking[0].key, str(key), now)
+    state.completed(ranking[0].key, str(key))
+    depth = ctx.confirmed.get(owner, 0) if ranking[0].key == owner else -1
+    return (hashed - start, looked - hashed, ranked - looked, ranked - start), depth
+
+
+def table(floors: Sequence[Floor]) -> str:
+    head = ("tokens  decisions  found  | CPU ms p50: hashing  lookups  ranking   all "
+            "| p99: hashing  lookups  ranking   all")
+    lines = [head]
+    for f in floors:
+        lines.append(f"{f.tokens:>6}  {f.decisions:>9}  {f.found:>5}  | "
+                     + "".join(f"{v:>{w}.3f}" for v, w in zip(f.p50, (20, 9, 9, 6), strict=True))
+                     + " | "
+                     + "".join(f"{v:>{w}.3f}" for v, w in zip(f.p99, (13, 9, 9, 6), strict=True)))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--lengths", default="2000,8000,32000,80000",
+                        help="comma-separated prompt lengths (tokens held by a worker)")
+    parser.add_argument("--prompts", type=int, default=8, help="held prompts per length")
+    parser.add_argument("--rounds", type=int, default=6, help="decisions per prompt (the "
+                        "first, warming the memo, not counted)")
+    parser.add_argument("--redis-url", default=None, help="default: a private redis-server")
+    args = parser.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    redis = None if args.redis_url else LocalRedis().start()
+    try:
+        url = args.redis_url or redis.url
+        floors = asyncio.run(measure(url, lengths, args.workers, args.prompts, args.rounds))
+    finally:
+        if redis is not None:
+            redis.close()
+    print(f"one router, {args.workers} workers, nothing else running:", file=sys.stderr)
+    print(table(floors))
+
+
+if __name__ == "__main__":
+    main()
