@@ -27,6 +27,7 @@ TOKENS_A = list(range(16 * 6))
 A = hash_chain(TOKENS_A, 16, NS)  # 6 blocks
 B = hash_chain(list(range(16 * 4)) + [999] * 32, 16, NS)  # shares A's first 4 blocks
 C = hash_chain([7] * 64, 16, NS)  # shares nothing
+ONE = hash_chain(list(range(16)) + [7] * 48, 16, NS)  # shares A's first block only
 ABC = [Candidate("a"), Candidate("b"), Candidate("c")]
 
 
@@ -74,8 +75,9 @@ def test_local_depth_is_the_deepest_of_a_workers_chains_in_any_order() -> None:
         for chain in order:
             local.record(chain, "w", now=0.0)
         local.record(B[:3], "v", now=0.0)
-        assert local.depths(A, now=1.0) == {"w": deepest, "v": 3}
-        assert local.depths(B, now=1.0) == {"w": 5, "v": 3}
+        local.record(ONE, "u", now=0.0)  # block 0 alone in common
+        assert local.depths(A, now=1.0) == {"w": deepest, "v": 3, "u": 1}
+        assert local.depths(B, now=1.0) == {"w": 5, "v": 3, "u": 1}
 
 
 def test_local_predictions_give_consecutive_depth_and_expire() -> None:
@@ -114,6 +116,8 @@ def test_pending_work_shared_with_the_request_is_not_a_backlog() -> None:
     late = Routed("w", 0.0, new_tokens=35, chain=A, start_block=4, internal_id="r")
     assert late.unshared_tokens(B, 16) == 35
     assert late.unshared_tokens(A, 16) == 35 - 2 * 16
+    earlier = Routed("w", 0.0, new_tokens=35, chain=A, start_block=3, internal_id="r")
+    assert earlier.unshared_tokens(B, 16) == 35 - 16  # one block shared past its start
     assert Routed("w", 0.0, 7, A[:2], 5, "r").unshared_tokens(A, 16) == 7  # starts past its end
 
 
