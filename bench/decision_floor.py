@@ -5,7 +5,8 @@ router's cores and caches.
 One :class:`RouterState` routes to ``--workers`` workers registered in a real Redis. Each worker
 holds some prompts of each length (their blocks stored through the index's event path), and each
 decision asks for one of them with new turn appended, as a chat's next turn does. Per prompt
-length it prints the router's CPU time per part (hashing, the lookups, ranking) and in all, and
+length it prints the router's CPU time per part (hashing, the lookups, ranking) and in all,
+Redis' own time running the decision's lookups (its SLOWLOG, ``bench/redis_time.py``), and
 whether every decision found its worker (the chosen worker's confirmed depth is the whole held
 prompt): the figures are for decisions that did the full work.
 
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from bench.redis_time import lookup_clock
 from cluster.local_redis import LocalRedis
 from router.blocks import hash_chain, namespace
 from router.events import BlockStored, EventBatch, WorkerLoad
@@ -38,14 +41,14 @@ EVENT_BLOCKS = 512  # blocks per stored event, as a long prefill's steps report 
 
 @dataclass(frozen=True)
 class Floor:
-    """One prompt length's decisions: CPU ms per part at the p50 and p99, and how many found
-    their worker."""
+    """One prompt length's decisions: ms at the p50 and p99 (the router's CPU per part and in
+    all, then Redis' own time), and how many found their worker."""
 
     tokens: int
     decisions: int
     found: int
-    p50: tuple[float, float, float, float]  # hashing, lookups, ranking, all
-    p99: tuple[float, float, float, float]
+    p50: tuple[float, ...]  # CPU: hashing, lookups, ranking, all; Redis' own
+    p99: tuple[float, ...]
 
 
 async def _fill(index: PrefixIndex, names: Sequence[str], prompts: Sequence[list[int]]
@@ -89,25 +92,32 @@ async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
         state.check_workers(await index.live_workers(), [], time.time())
         candidates = [Candidate(name, queue_len=2) for name in names]
         owner = {id(p): names[i % workers] for i, p in enumerate(everything)}
-        out, key = [], 0
-        for n in lengths:
-            rows, found = [], 0
-            for r in range(rounds):
-                for prompt in held[n]:
-                    key += 1
-                    tokens = prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)]
-                    row, depth = await _decide(state, index, key, tokens, candidates,
-                                               owner[id(prompt)])
-                    if r:
-                        rows.append(row)
-                        found += depth == n // BLOCK_SIZE
-            ms = np.array(rows) * 1000
-            out.append(Floor(n, len(rows), found,
-                             tuple(np.percentile(ms, 50, axis=0).tolist()),
-                             tuple(np.percentile(ms, 99, axis=0).tolist())))
-        return out
+        keys = itertools.count(1)
+        with lookup_clock(redis_url) as redis_ms:
+            return [await _decisions(state, index, n, held[n], owner, candidates, rounds, rng,
+                                     keys, redis_ms) for n in lengths]
     finally:
         await index.close()
+
+
+async def _decisions(state: RouterState, index: PrefixIndex, n: int,
+                     prompts: Sequence[list[int]], owner: dict[int, str],
+                     candidates: list[Candidate], rounds: int, rng: random.Random,
+                     keys: Iterator[int], redis_ms: Callable[[], float] | None) -> Floor:
+    """``rounds`` decisions for each held prompt of ``n`` tokens (the first round uncounted)."""
+    rows, found = [], 0
+    for r in range(rounds):
+        for prompt in prompts:
+            tokens = prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)]
+            row, depth = await _decide(state, index, next(keys), tokens, candidates,
+                                       owner[id(prompt)])
+            redis_s = redis_ms() / 1000 if redis_ms is not None else float("nan")
+            if r:
+                rows.append((*row, redis_s))
+                found += depth == n // BLOCK_SIZE
+    ms = np.array(rows) * 1000
+    return Floor(n, len(rows), found, tuple(np.percentile(ms, 50, axis=0).tolist()),
+                 tuple(np.percentile(ms, 99, axis=0).tolist()))
 
 
 async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: list[int],
@@ -131,15 +141,14 @@ async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: list
 
 
 def table(floors: Sequence[Floor]) -> str:
-    head = ("tokens  decisions  found  | CPU ms p50: hashing  lookups  ranking   all "
-            "| p99: hashing  lookups  ranking   all")
-    lines = [head]
-    for f in floors:
-        lines.append(f"{f.tokens:>6}  {f.decisions:>9}  {f.found:>5}  | "
-                     + "".join(f"{v:>{w}.3f}" for v, w in zip(f.p50, (20, 9, 9, 6), strict=True))
-                     + " | "
-                     + "".join(f"{v:>{w}.3f}" for v, w in zip(f.p99, (13, 9, 9, 6), strict=True)))
-    return "\n".join(lines)
+    parts = ("hashing", "lookups", "ranking", "all", "Redis")
+    head = ["tokens", "decisions", "found",
+            *(f"{part} p50" for part in parts), *(f"{part} p99" for part in parts)]
+    rows = [head] + [[str(f.tokens), str(f.decisions), str(f.found),
+                      *(f"{v:.3f}" for v in (*f.p50, *f.p99))] for f in floors]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True))
+                     for row in rows)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -160,7 +169,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     finally:
         if redis is not None:
             redis.close()
-    print(f"one router, {args.workers} workers, nothing else running:", file=sys.stderr)
+    print(f"one router, {args.workers} workers, nothing else running; ms (the router's "
+          "CPU per part and in all, Redis' own time running its lookups):", file=sys.stderr)
     print(table(floors))
 
 

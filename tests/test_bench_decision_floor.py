@@ -19,5 +19,7 @@ def test_each_decision_finds_the_worker_holding_its_prompt(redis_server) -> None
     for f in floors:
         assert all(0 < low <= high for low, high in zip(f.p50, f.p99, strict=True))
         assert f.p50[3] >= max(f.p50[:3])  # the whole decision holds each part
+        assert len(f.p50) == len(f.p99) == 5
     lines = table(floors).splitlines()
     assert len(lines) == 3 and lines[1].split()[:3] == ["64", "3", "3"]
+    assert lines[0].split()[:4] == ["tokens", "decisions", "found", "hashing"]
