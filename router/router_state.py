@@ -53,8 +53,10 @@ class LocalPredictions:
 
     A worker's predicted depth for a chain is its longest common prefix with a chain recently
     sent there: chained hashes make a block equal only when everything before it is, so that is
-    the consecutive run from block 0. Recording is O(1) and a query a binary search per recent
-    chain, so a long prompt costs no per-block work here.
+    the consecutive run from block 0. Recording is O(1); a query compares one block per recent
+    chain and binary-searches only a chain that goes deeper than its worker's depth found so far
+    (with a shared system prompt, a few per worker rather than every recent request), so a long
+    prompt costs no per-block work here.
     """
 
     def __init__(self, ttl_s: float, max_blocks: int = 200_000) -> None:
