@@ -58,11 +58,13 @@ local function probe(j)
   return redis.call('HGET', bkey, field(j))
 end
 
--- the live workers with an unexpired predicted entry at block j: id -> true (64 keys a read)
-local vq, qbase, qlen, qparsed = nil, 0, 0, {}
+-- the live workers with an unexpired predicted entry at block j: id -> true, read in growing
+-- chunks (8, 16, 32, 64 keys): a walk that asks at a change of holders and then gallops needs one
+local vq, qbase, qlen, qparsed, qchunk = nil, 0, 0, {}, 8
 local function predicted_at(j)
   if not vq or j <= qbase or j > qbase + qlen then
-    local last = math.min(nblocks, j + 63)
+    local last = math.min(nblocks, j + qchunk - 1)
+    qchunk = math.min(qchunk * 2, 64)
     local qkeys = {}
     for jj = j, last do  -- predicted keys carry the whole digest
       qkeys[#qkeys + 1] = pfx .. 'q' .. string.sub(chain, (jj - 1) * 16 + 1, jj * 16)
