@@ -51,27 +51,26 @@ class Floor:
     p99: tuple[float, ...]
 
 
-async def _fill(index: PrefixIndex, names: Sequence[str], prompts: Sequence[list[int]]
-                ) -> list[int]:
-    """Register the workers and store prompt i on worker i (mod the fleet); its worker ids."""
-    ids = []
+async def _fill(index: PrefixIndex, names: Sequence[str],
+                prompts: Sequence[tuple[list[int], str]]) -> None:
+    """Register the workers and store each prompt on its worker."""
+    ids: dict[str, int] = {}  # worker name -> index worker id
     for name in names:
         wid = await index.register(name, epoch=1, block_size=BLOCK_SIZE, fingerprint=FINGERPRINT)
         await index.resync(wid, 1, [], 0)
         await index.heartbeat(wid, 1, WorkerLoad(num_running=2, prefill_tokens_per_s=9000.0,
                                                   kv_total_blocks=30_000, kv_empty_blocks=500,
                                                   timestamp=time.time()))
-        ids.append(wid)
-    seq = dict.fromkeys(ids, 0)
+        ids[name] = wid
+    seq = dict.fromkeys(ids.values(), 0)
     ns = namespace(FINGERPRINT)
-    for i, prompt in enumerate(prompts):
-        wid = ids[i % len(ids)]
+    for prompt, owner in prompts:
+        wid = ids[owner]
         chain = hash_chain(prompt, BLOCK_SIZE, ns)
         for start in range(0, len(chain), EVENT_BLOCKS):
             seq[wid] += 1
             batch = (BlockStored(tuple(chain[start : start + EVENT_BLOCKS])),)
             await index.apply(EventBatch(wid, 1, seq[wid], batch))
-    return ids
 
 
 async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
@@ -80,37 +79,36 @@ async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
     (the first round warms the router's memo and is not counted)."""
     rng = random.Random(seed)
     names = [f"floor-worker-{i}" for i in range(workers)]
-    held = {n: [[rng.randrange(50_000) for _ in range(n)] for _ in range(prompts_per_length)]
-            for n in lengths}
-    everything = [p for n in lengths for p in held[n]]
+    owners = itertools.cycle(names)
+    held = {n: [([rng.randrange(50_000) for _ in range(n)], next(owners))
+                for _ in range(prompts_per_length)] for n in lengths}
     model = f"floor-{time.time_ns()}"
     index = open_index(redis_url, model, deadline_s=1.0, settings=IndexSettings())
     try:
-        await _fill(index, names, everything)
+        await _fill(index, names, [p for n in lengths for p in held[n]])
         state = RouterState(RouterSettings(model=model, block_size=BLOCK_SIZE,
                                            fingerprint=FINGERPRINT))
         state.check_workers(await index.live_workers(), [], time.time())
         candidates = [Candidate(name, queue_len=2) for name in names]
-        owner = {id(p): names[i % workers] for i, p in enumerate(everything)}
         keys = itertools.count(1)
         with lookup_clock(redis_url) as redis_ms:
-            return [await _decisions(state, index, n, held[n], owner, candidates, rounds, rng,
-                                     keys, redis_ms) for n in lengths]
+            return [await _decisions(state, index, n, held[n], candidates, rounds, rng, keys,
+                                     redis_ms) for n in lengths]
     finally:
         await index.close()
 
 
 async def _decisions(state: RouterState, index: PrefixIndex, n: int,
-                     prompts: Sequence[list[int]], owner: dict[int, str],
-                     candidates: list[Candidate], rounds: int, rng: random.Random,
-                     keys: Iterator[int], redis_ms: Callable[[], float] | None) -> Floor:
-    """``rounds`` decisions for each held prompt of ``n`` tokens (the first round uncounted)."""
+                     prompts: Sequence[tuple[list[int], str]], candidates: list[Candidate],
+                     rounds: int, rng: random.Random, keys: Iterator[int],
+                     redis_ms: Callable[[], float] | None) -> Floor:
+    """``rounds`` decisions for each held prompt of ``n`` tokens and its worker (the first
+    round uncounted)."""
     rows, found = [], 0
     for r in range(rounds):
-        for prompt in prompts:
+        for prompt, owner in prompts:
             tokens = prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)]
-            row, depth = await _decide(state, index, next(keys), tokens, candidates,
-                                       owner[id(prompt)])
+            row, depth = await _decide(state, index, next(keys), tokens, candidates, owner)
             redis_s = redis_ms() / 1000 if redis_ms is not None else float("nan")
             if r:
                 rows.append((*row, redis_s))
