@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.redis_time import lookup_clock
 from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
+from router.blocks import hash_chain, namespace, token_array
 from router.events import BlockStored, EventBatch, WorkerLoad
 from router.index import IndexSettings, PrefixIndex, open_index
 from router.router_state import Candidate, RouterSettings, RouterState
@@ -107,7 +107,7 @@ async def _decisions(state: RouterState, index: PrefixIndex, n: int,
     rows, found = [], 0
     for r in range(rounds):
         for prompt, owner in prompts:
-            tokens = prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)]
+            tokens = token_array(prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)])
             row, depth = await _decide(state, index, next(keys), tokens, candidates, owner)
             redis_s = redis_ms() / 1000 if redis_ms is not None else float("nan")
             if r:
@@ -118,7 +118,7 @@ async def _decisions(state: RouterState, index: PrefixIndex, n: int,
                  tuple(np.percentile(ms, 99, axis=0).tolist()))
 
 
-async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: list[int],
+async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: Sequence[int],
                   candidates: list[Candidate], owner: str
                   ) -> tuple[tuple[float, float, float, float], int]:
     """One decision's CPU seconds per part, and the confirmed depth it credited the owner."""

@@ -64,7 +64,7 @@ from bench.sim_router import (
 )
 from bench.workloads import Tokens, Trace
 from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
+from router.blocks import hash_chain, namespace, token_array
 from router.events import EventBatch, KVEvent
 from router.index import (
     IndexSettings,
@@ -99,13 +99,16 @@ class SimRequest:
     """One trace row on its way through the simulated cluster."""
 
     key: int
-    tokens: list[int]
+    tokens: Sequence[int]  # held as a token_array, as the ingress sends a prompt
     output_len: int
     arrival_s: float
     worker: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
     rejected: bool = False
+
+    def __post_init__(self) -> None:
+        self.tokens = token_array(self.tokens)
 
 
 @dataclass

@@ -49,13 +49,21 @@ _U32 = next(code for code in "IL" if array(code).itemsize == 4)
 _SWAP = sys.byteorder == "big"
 
 
-def _pack(tokens: Sequence[int]) -> bytes:
-    """Token ids as little-endian u32s (through ``array``: twice as fast as ``struct.pack`` with
-    one argument per token, and the router packs every prompt)."""
+def token_array(tokens: Sequence[int]) -> array:
+    """Token ids as native u32s: how a request carries its prompt. Converting a list costs about
+    15 ns an id (1 ms for an 80,000-token prompt), so the ingress does it once where the ids are
+    made; after that the router packs any part of the prompt with one copy, and Ray ships it as
+    one buffer (pickling a list of 80,000 ids costs 60 times more)."""
     try:
-        packed = array(_U32, tokens)
+        return array(_U32, tokens)
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from None
+
+
+def _pack(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32s (through ``array``: twice as fast as ``struct.pack`` with
+    one argument per token, and one copy from a :func:`token_array`)."""
+    packed = token_array(tokens)
     if _SWAP:
         packed.byteswap()
     return packed.tobytes()

@@ -6,17 +6,23 @@ parameters travel as a plain dict so that `router` never imports `workers`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from router.blocks import token_array
 
 
 @dataclass
 class GenerateRequest:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # held as a token_array
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
     cache_salt: str | None = None  # already derived server-side (tenant); None = no salt
     tenant: str | None = None  # whose fair share of a worker's queue; None: one shared tenant
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = token_array(self.prompt_token_ids)
 
 
 @dataclass

@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from router.blocks import ROOT, BlockHasher, hash_block, hash_chain, namespace
+from router.blocks import (
+    ROOT,
+    BlockHasher,
+    ChainMemo,
+    hash_block,
+    hash_chain,
+    namespace,
+    token_array,
+)
 from router.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -59,6 +67,18 @@ def test_incremental_equals_one_shot() -> None:
         got += hasher.append(tokens[i : i + 7])
     assert got == hasher.hashes == hash_chain(tokens, 16, NS)
     assert hasher.num_tokens == 100
+
+
+def test_token_arrays_hash_as_their_ids() -> None:
+    ids = [0, 1, 2**32 - 1, *range(50_000, 50_077)]
+    packed = token_array(ids)
+    assert list(packed) == ids and packed.itemsize == 4
+    assert token_array(packed) == packed and token_array(packed) is not packed
+    assert hash_chain(packed, 16, NS) == hash_chain(ids, 16, NS)
+    assert ChainMemo(16).chain(packed, NS) == hash_chain(ids, 16, NS)
+    for bad in ([2**32], [-1], [1.5]):
+        with pytest.raises(ValueError, match="token ids"):
+            token_array(bad)
 
 
 def test_layout_is_not_string_joining() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from ray.serve._private.common import DeploymentID
 
-from router.blocks import hash_chain, namespace
+from router.blocks import hash_chain, namespace, token_array
 from router.request import GenerateRequest
 from router.request_router import _generate_request, _request_key
 from router.router_state import RouterSettings, RouterState
@@ -53,6 +55,14 @@ def test_the_generate_request_is_found_in_args_or_kwargs() -> None:
     assert _generate_request(PendingRequest([], {"request": req}, META, future=None)) is req
     assert _generate_request(PendingRequest(["stats"], {}, META, future=None)) is None
     assert _generate_request(None) is None
+
+
+def test_a_request_carries_its_prompt_packed_and_checked() -> None:
+    req = GenerateRequest("x", [5, 2**32 - 1, 0])
+    assert req.prompt_token_ids == token_array([5, 2**32 - 1, 0])
+    assert pickle.loads(pickle.dumps(req)) == req  # as Ray ships it to the worker
+    with pytest.raises(ValueError, match="token ids"):
+        GenerateRequest("x", [1, -2])
 
 
 def test_serve_shim_accessors() -> None:

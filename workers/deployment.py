@@ -197,7 +197,7 @@ class LLMWorker:
         self._inflight.add(request_id)
         self._drained.clear()
         self._loop_thread.add(
-            request_id, list(request.prompt_token_ids), params, request.cache_salt, stream,
+            request_id, request.prompt_token_ids, params, request.cache_salt, stream,
             request.tenant,
         )
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)

@@ -98,7 +98,7 @@ class EngineCore:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Iterable[int],
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         tenant: str | None = None,

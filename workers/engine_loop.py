@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -105,7 +105,7 @@ class EngineLoop(threading.Thread):
 
     # Called from other threads -------------------------------------------------------
 
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+    def add(self, request_id: str, prompt: Iterable[int], params: SamplingParams,
             cache_salt: str | None, stream: OutputStream, tenant: str | None = None) -> None:
         self._commands.put(("add", request_id, prompt, params, cache_salt, tenant, stream))
 

@@ -5,14 +5,14 @@ every request in it)."""
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from workers.errors import InvalidRequestError
 from workers.sampling import SamplingParams
 
 
 def checked_request(
-    prompt_token_ids: Sequence[int],
+    prompt_token_ids: Iterable[int],
     sampling_params: SamplingParams,
     cache_salt: str | None,
     tenant: str | None,
