@@ -1,7 +1,9 @@
 """What travels through the Serve handle between the ingress and a worker replica.
 
-Token ids, not text: workers are token-in / token-out and the router hashes these ids. Sampling
-parameters travel as a plain dict so that `router` never imports `workers`.
+Token ids, not text: workers are token-in / token-out and the router hashes these ids. A
+prompt is held packed (:func:`router.blocks.token_array`), so neither the router nor Ray's
+pickling touches each id. Sampling parameters travel as a plain dict so that `router` never
+imports `workers`.
 """
 
 from __future__ import annotations
