@@ -99,16 +99,13 @@ class SimRequest:
     """One trace row on its way through the simulated cluster."""
 
     key: int
-    tokens: Sequence[int]  # held as a token_array, as the ingress sends a prompt
+    tokens: Sequence[int]  # a token_array from trace_requests, as the ingress sends a prompt
     output_len: int
     arrival_s: float
     worker: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
     rejected: bool = False
-
-    def __post_init__(self) -> None:
-        self.tokens = token_array(self.tokens)
 
 
 @dataclass
@@ -439,7 +436,8 @@ def trace_requests(path: str | Path, vocab_size: int, *, limit: int | None = Non
     trace = Trace(path=path, limit=limit, speedup=speedup, max_input=max_input,
                   max_output=max_output)
     sessions = trace.sessions(Tokens(vocab_size))
-    return [SimRequest(i, s.turns[0].tokens or [], s.turns[0].output_len, s.arrival_s or 0.0)
+    return [SimRequest(i, token_array(s.turns[0].tokens or []), s.turns[0].output_len,
+                       s.arrival_s or 0.0)
             for i, s in enumerate(sessions)]
 
 
