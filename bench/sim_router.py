@@ -26,6 +26,7 @@ import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from bench.redis_time import lookup_clock
+from router.blocks import Chain
 from router.index import IndexSettings, LookupResult, PrefixIndex, open_index, within
 from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState
@@ -145,7 +146,7 @@ class SimRouter:
         state.note_routed(key, best, ctx, str(key), now)
         return self.at[best]
 
-    async def _lookup(self, chain: list[bytes], now: float) -> LookupResult | None:
+    async def _lookup(self, chain: Chain, now: float) -> LookupResult | None:
         assert self.index is not None
         if self.state.lookup_blocked(now) is not None:
             return None

@@ -22,7 +22,8 @@ import hashlib
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import overload
 
 DEFAULT_BLOCK_SIZE = 16
 DIGEST_BYTES = 16
@@ -136,6 +137,84 @@ class BlockHasher:
         return len(self.hashes) * self.block_size + len(self._pending)
 
 
+class Chain(Sequence[BlockHash]):
+    """A chain of block digests held packed: one bytes object, 16 bytes a block.
+
+    A router's chain goes from its memo (which remembers runs packed) to the index lookup (which
+    sends it packed): held as a list, an 80,000-token prompt's 5,000 digests were unpacked from
+    the memo and joined again for every lookup, about 0.5 ms of a decision. Indexing reads one
+    digest; a slice is a Chain; ``extend`` grows it in place, so a holder of the object (this
+    router's recent decisions) sees the blocks hashed after the decision.
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, packed: bytes = b"") -> None:
+        if len(packed) % DIGEST_BYTES:
+            raise ValueError(f"a packed chain is a multiple of {DIGEST_BYTES} bytes")
+        self._packed = bytes(packed)
+
+    @classmethod
+    def of(cls, digests: Iterable[BlockHash]) -> Chain:
+        """From digests; raises ValueError unless each is ``DIGEST_BYTES`` long."""
+        if isinstance(digests, Chain):
+            return cls(digests._packed)
+        digests = list(digests)
+        packed = b"".join(digests)
+        # the total is right and none is shorter <=> every digest has the right length
+        if len(packed) != DIGEST_BYTES * len(digests) or (
+            digests and min(map(len, digests)) < DIGEST_BYTES
+        ):
+            raise ValueError(f"block digests must be {DIGEST_BYTES} bytes each")
+        return cls(packed)
+
+    @property
+    def packed(self) -> bytes:
+        """The digests back to back, as the index's scripts read them."""
+        return self._packed
+
+    def __len__(self) -> int:
+        return len(self._packed) // DIGEST_BYTES
+
+    @overload
+    def __getitem__(self, i: int) -> BlockHash: ...
+    @overload
+    def __getitem__(self, i: slice) -> Chain: ...
+
+    def __getitem__(self, i: int | slice) -> BlockHash | Chain:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return Chain.of([self[k] for k in range(start, stop, step)])
+            return Chain(self._packed[start * DIGEST_BYTES : max(start, stop) * DIGEST_BYTES])
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("chain index out of range")
+        at = (i % n) * DIGEST_BYTES
+        return self._packed[at : at + DIGEST_BYTES]
+
+    def __iter__(self) -> Iterator[BlockHash]:
+        packed = self._packed
+        return (packed[at : at + DIGEST_BYTES] for at in range(0, len(packed), DIGEST_BYTES))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Chain):
+            return self._packed == other._packed
+        if isinstance(other, Sequence) and not isinstance(other, (bytes, str)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # it grows: not a dict key
+
+    def __repr__(self) -> str:
+        return f"Chain({len(self)} blocks)"
+
+    def extend(self, digests: Iterable[BlockHash]) -> None:
+        """Append blocks (a Chain's without unpacking it)."""
+        more = digests if isinstance(digests, Chain) else Chain.of(digests)
+        self._packed += more._packed
+
+
 class ChainMemo:
     """Recently hashed runs of blocks, so a prompt that starts like an earlier one (a chat's next
     turn, a shared system prompt or document) hashes only what is new.
@@ -143,7 +222,7 @@ class ChainMemo:
     A run is ``RUN_BLOCKS`` full blocks, found by Python's 64-bit hash of its parent digest (the
     namespace for the first run) and its packed token ids, and stored as its digests packed in
     one bytes object (about 1.4 bytes per prompt token at 16-token blocks, a third of what a
-    tuple of digest objects takes; unpacking one costs about 0.3 us). The hash is seeded per
+    tuple of digest objects takes), which a :class:`Chain` takes as it is. The hash is seeded per
     process, so nobody can aim a collision, and a chance one (about 1e-8 with a million runs
     held) only misroutes: routers use chains to choose, workers hash their own blocks. Two
     generations bound the memory: when the young one holds ``max_runs`` runs it becomes the old
@@ -153,7 +232,6 @@ class ChainMemo:
 
     RUN_BLOCKS = 16
     WINDOW_RUNS = 16  # runs packed at a time: a long prompt is packed only as far as it is read
-    _RUN = struct.Struct(f"{DIGEST_BYTES}s" * RUN_BLOCKS)
 
     def __init__(self, block_size: int = DEFAULT_BLOCK_SIZE, max_runs: int = 16384) -> None:
         if block_size < 1 or max_runs < 0:
@@ -167,7 +245,7 @@ class ChainMemo:
     def chain(
         self, token_ids: Sequence[int], ns: bytes = b"", budget: int | None = None,
         known: Sequence[BlockHash] = (), limit: int = sys.maxsize,
-    ) -> list[BlockHash]:
+    ) -> Chain:
         """What ``hash_chain(token_ids[:limit], block_size, ns)`` returns (without copying the
         tokens: a long prompt's copy costs a tenth of its walk); with ``budget``, only its first
         blocks: the ones remembered and at most ``budget`` more. ``known`` is a first part of
@@ -176,12 +254,14 @@ class ChainMemo:
         size = self.block_size
         end = min(len(token_ids), limit) // size * size  # the tokens of full blocks
         if not self.max_runs:
-            return hash_chain(token_ids[: end if budget is None else min(end, budget * size)],
-                              size, ns)
+            return Chain.of(hash_chain(
+                token_ids[: end if budget is None else min(end, budget * size)], size, ns))
         run = 4 * size * self.RUN_BLOCKS  # bytes
         left = end // size if budget is None else budget  # blocks still to hash
-        out = list(known[: len(known) // self.RUN_BLOCKS * self.RUN_BLOCKS])
-        parent, start = (out[-1] if out else ns), len(out) * size
+        runs = len(known) // self.RUN_BLOCKS * self.RUN_BLOCKS
+        parts = [Chain.of(known[:runs]).packed]  # the chain, packed, in parts
+        blocks = runs
+        parent, start = (parts[0][-DIGEST_BYTES:] if blocks else ns), blocks * size
         while start < end:
             body = _pack(token_ids[start : min(end, start + run // 4 * self.WINDOW_RUNS)])
             start += len(body) // 4
@@ -194,24 +274,27 @@ class ChainMemo:
                     if packed is None:
                         break
                     self._remember(key, packed)
-                digests = self._RUN.unpack(packed)
-                out.extend(digests)
-                self.hit_blocks += len(digests)
-                parent, pos = digests[-1], pos + run
+                parts.append(packed)
+                blocks += self.RUN_BLOCKS
+                self.hit_blocks += self.RUN_BLOCKS
+                parent, pos = packed[-DIGEST_BYTES:], pos + run
             if pos < len(body):  # past what is remembered (or a last partial run): hash
                 fresh = body[pos : pos + 4 * size * left]
                 if not fresh:
                     break
-                new = self._hash(parent, fresh, first=not out)
-                for k in range(0, len(new) - self.RUN_BLOCKS + 1, self.RUN_BLOCKS):
-                    at = 4 * size * k
-                    self._remember(hash((new[k - 1] if k else parent, fresh[at : at + run])),
-                                   b"".join(new[k : k + self.RUN_BLOCKS]))
-                out.extend(new)
-                parent, left = new[-1], left - len(new)
+                new = b"".join(self._hash(parent, fresh, first=not blocks))
+                step = DIGEST_BYTES * self.RUN_BLOCKS
+                for at in range(0, len(new) - step + 1, step):
+                    prev = new[at - DIGEST_BYTES : at] if at else parent
+                    tokens_at = at // DIGEST_BYTES * 4 * size
+                    self._remember(hash((prev, fresh[tokens_at : tokens_at + run])),
+                                   new[at : at + step])
+                parts.append(new)
+                n = len(new) // DIGEST_BYTES
+                blocks, parent, left = blocks + n, new[-DIGEST_BYTES:], left - n
                 if len(fresh) < len(body) - pos:  # the budget ends inside this window
                     break
-        return out
+        return Chain(b"".join(parts))
 
     @property
     def num_runs(self) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from router.blocks import DIGEST_BYTES
+from router.blocks import Chain
 
 
 class EventDecodeError(ValueError):
@@ -75,14 +75,9 @@ class WorkerLoad:
 
 
 def pack_digests(digests: Sequence[bytes]) -> bytes:
-    """Digests back to back; raises ValueError unless every one is ``DIGEST_BYTES`` long."""
-    packed = b"".join(digests)
-    # the total is right and none is shorter <=> every digest has the right length
-    if len(packed) != DIGEST_BYTES * len(digests) or (
-        digests and min(map(len, digests)) < DIGEST_BYTES
-    ):
-        raise ValueError(f"block digests must be {DIGEST_BYTES} bytes each")
-    return packed
+    """Digests back to back (a :class:`Chain` as it is held); raises ValueError unless every one
+    is 16 bytes long."""
+    return Chain.of(digests).packed
 
 
 def encode_events(events: Sequence[KVEvent]) -> bytes:

@@ -45,6 +45,7 @@ from typing import Any
 
 from ray.util import metrics
 
+from router.blocks import Chain
 from router.index import (
     REDIS_URL_ENV,
     IndexSettings,
@@ -237,7 +238,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
     def _fail_open(self, reason: str) -> None:
         self._failopen.inc(tags={"reason": reason})
 
-    async def _lookup(self, chain: list[bytes], now: float) -> LookupResult | None:
+    async def _lookup(self, chain: Chain, now: float) -> LookupResult | None:
         """One index round trip within the deadline, or None (load-only ranking)."""
         state = self._state
         if not state.settings.prefix_routing:

@@ -10,6 +10,7 @@ from router.blocks import (
     DEFAULT_BLOCK_SIZE,
     ROOT,
     BlockHasher,
+    Chain,
     ChainMemo,
     _u32,
     hash_block,
@@ -157,6 +158,35 @@ def test_block_hasher_defaults_and_bounds() -> None:
 
 
 RUN = ChainMemo.RUN_BLOCKS
+
+
+def test_a_chain_holds_its_digests_packed() -> None:
+    digests = [bytes([k]) * 16 for k in range(5)]
+    chain = Chain.of(digests)
+    assert chain.packed == b"".join(digests) and len(chain) == 5
+    assert chain[0] == digests[0] and chain[-5] == digests[0]
+    assert chain[4] == chain[-1] == digests[4]
+    for bad in (5, -6):
+        with pytest.raises(IndexError):
+            chain[bad]
+    assert list(chain) == digests and chain == digests and chain != digests[:4]
+    assert chain[1:3] == digests[1:3] and isinstance(chain[1:3], Chain)
+    assert chain[3:1] == [] and chain[::2] == digests[::2] and chain[-2:] == digests[-2:]
+    assert chain != b"".join(digests) and Chain() == [] and not Chain()
+    held = chain  # a holder of the object sees it grow
+    chain.extend(digests[:2])
+    chain.extend(Chain.of(digests[2:3]))
+    assert held == [*digests, *digests[:3]] and len(held) == 8
+    assert Chain.of(chain) == chain and Chain(chain.packed) == chain
+    for wrong in ([b"x" * 15], [b"x" * 17], [b"x" * 15, b"x" * 17]):
+        with pytest.raises(ValueError, match="16 bytes each"):
+            Chain.of(wrong)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Chain(b"x" * 20)
+    with pytest.raises(TypeError):
+        hash(chain)
+
+
 
 
 def test_chain_memo_equals_hashing_for_every_shape() -> None:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.blocks import hash_chain, namespace
+from router.blocks import Chain, hash_chain, namespace
 from router.events import WorkerLoad
 from router.index import LookupResult, WorkerInfo, WorkerMatch
 from router.policy import PolicyConfig, WorkerView, rank, rendezvous
@@ -24,10 +24,10 @@ from router.router_state import (
 
 NS = namespace("fp")
 TOKENS_A = list(range(16 * 6))
-A = hash_chain(TOKENS_A, 16, NS)  # 6 blocks
-B = hash_chain(list(range(16 * 4)) + [999] * 32, 16, NS)  # shares A's first 4 blocks
-C = hash_chain([7] * 64, 16, NS)  # shares nothing
-ONE = hash_chain(list(range(16)) + [7] * 48, 16, NS)  # shares A's first block only
+A = Chain.of(hash_chain(TOKENS_A, 16, NS))  # 6 blocks
+B = Chain.of(hash_chain(list(range(16 * 4)) + [999] * 32, 16, NS))  # shares A's first 4 blocks
+C = Chain.of(hash_chain([7] * 64, 16, NS))  # shares nothing
+ONE = Chain.of(hash_chain(list(range(16)) + [7] * 48, 16, NS))  # shares A's first block only
 ABC = [Candidate("a"), Candidate("b"), Candidate("c")]
 
 
@@ -53,7 +53,7 @@ def test_common_blocks() -> None:
     assert common_blocks(A, A) == 6
     assert common_blocks(A, B) == common_blocks(B, A) == 4
     assert common_blocks(A, C) == 0
-    assert common_blocks(A, []) == 0
+    assert common_blocks(A, Chain()) == 0
     assert common_blocks(A, A[:3]) == 3
     assert common_blocks(A, B, lo=2) == 4  # lo: known equal before it, the search starts there
     assert common_blocks(A, A, lo=6) == 6
@@ -157,7 +157,7 @@ def test_matching_stops_at_max_match_tokens() -> None:
     capped.finish(first)
     assert first.chain == whole and first.complete  # the rest, up to the cap
     grown = capped.context(2, prompt[:-1], None, now=0.0)
-    grown.chain[300:] = []  # as if hashed to 300 blocks, and held whole by some worker
+    grown.chain = grown.chain[:300]  # as if hashed to 300 blocks, and held whole by some worker
     grown.complete = False
     assert capped.extend(grown, lookup(a=300), now=0.0)
     assert grown.chain == whole and grown.complete  # four times as many, but not past the cap
@@ -282,7 +282,7 @@ def test_this_routers_own_longer_chains_ask_for_more(source: str) -> None:
     assert len(other.chain) < 4100 and not other.complete
     assert not st.extend(other, None, now=0.0)  # request 1's chain leaves it before its end
     cut = st.context(4, LONG[: 4 * 2000] + [5] * 4, None, now=0.0)
-    cut.chain[1100:] = []  # as hashed at first: a prefix of request 1's chain
+    cut.chain = cut.chain[:1100]  # as hashed at first: a prefix of request 1's chain
     cut.complete = False
     assert st.extend(cut, None, now=0.0)  # request 1's chain goes past it: more
     assert cut.chain == hash_chain(LONG[: 4 * 2000] + [5] * 4, 4, NS)
