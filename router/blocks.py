@@ -159,7 +159,8 @@ class Chain(Sequence[BlockHash]):
         """From digests; raises ValueError unless each is ``DIGEST_BYTES`` long."""
         if isinstance(digests, Chain):
             return cls(digests._packed)
-        digests = list(digests)
+        if not isinstance(digests, (list, tuple)):
+            digests = list(digests)
         packed = b"".join(digests)
         # the total is right and none is shorter <=> every digest has the right length
         if len(packed) != DIGEST_BYTES * len(digests) or (

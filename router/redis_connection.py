@@ -129,21 +129,24 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Redi
 
     A model's keys share one hash tag, so each script runs on the one node owning its slot.
     The cluster client builds its own connections: there, setting one up still counts
-    against the call that needed it (within ``connect_timeout_s`` at most).
+    against the call that needed it (within ``connect_timeout_s`` at most), and
+    ``socket_timeout_s`` bounds each of its reads and writes. The single-node client has no
+    read or write timeout of its own: every call already runs under its caller's deadline
+    (RedisPrefixIndex._eval, check_redis), and redis-py bounds each write with ``wait_for``,
+    a task per command (about 60 of a script call's 200 us of client CPU here).
     """
     parts = urlsplit(url)
     query = parse_qsl(parts.query, keep_blank_values=True)
     cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
     url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
     options: dict[str, Any] = {
-        "socket_timeout": socket_timeout_s,
         "socket_connect_timeout": connect_timeout_s,
         # No retries inside redis-py: RedisPrefixIndex._eval retries a dead connection itself,
         # so that every reconnect goes through _SetupOffDeadline.connect.
         "retry": Retry(NoBackoff(), 0),
     }
     if cluster:
-        return RedisCluster.from_url(url, **options)
+        return RedisCluster.from_url(url, socket_timeout=socket_timeout_s, **options)
     options.update(health_check_interval=0, **parse_url(url))  # the URL's options win
     options["connection_class"] = _off_deadline(options.get("connection_class", Connection))
     return Redis.from_pool(ConnectionPool(**options))
