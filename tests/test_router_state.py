@@ -18,6 +18,7 @@ from router.router_state import (
     RouterSettings,
     RouterState,
     common_blocks,
+    goes_past,
     shares_block,
     tie_key,
 )
@@ -57,6 +58,13 @@ def test_common_blocks() -> None:
     assert common_blocks(A, A[:3]) == 3
     assert common_blocks(A, B, lo=2) == 4  # lo: known equal before it, the search starts there
     assert common_blocks(A, A, lo=6) == 6
+
+
+def test_goes_past() -> None:
+    assert goes_past(A[:3], A) and goes_past(A[:1], B) and goes_past(A[:4], B)
+    assert not goes_past(A, A) and not goes_past(A, A[:3])  # as long, or longer: not past
+    assert not goes_past(A[:5], B) and not goes_past(C[:1], A)  # another block at its end
+    assert not goes_past(Chain(), A)  # nothing to go past
 
 
 def test_shares_block() -> None:
