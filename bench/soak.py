@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from bench.client import WORKER_HEADER
+from bench.sse import DONE, SSEParser
 from workers.checkpoints import BUILTIN_MODEL_NAME
 
 OK, CLEAN_ERROR, FAILED, HUNG, CANCELLED = "ok", "clean_error", "failed", "hung", "cancelled"
@@ -95,30 +96,7 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: Spec,
                 kind = CLEAN_ERROR if _is_envelope(raw) else FAILED
                 return Outcome(kind, start, time.monotonic(), r.status_code, raw[:200].decode(),
                                worker)
-            events, error, finished = 0, "", 0
-            async for line in r.aiter_lines():
-                if not line:
-                    continue
-                if spec.cancel_after is not None and events >= spec.cancel_after:
-                    return Outcome(CANCELLED, start, time.monotonic(), 200, worker=worker)
-                events += 1
-                data = line.removeprefix("data: ")
-                if data == "[DONE]":
-                    if error:
-                        return Outcome(CLEAN_ERROR, start, time.monotonic(), 200, error, worker)
-                    if finished == spec.n:
-                        return Outcome(OK, start, time.monotonic(), 200, worker=worker)
-                    return Outcome(FAILED, start, time.monotonic(), 200,
-                                   f"[DONE] after {finished}/{spec.n} finished choices", worker)
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    error = json.dumps(chunk["error"])[:200]
-                    continue
-                finished += sum(1 for c in chunk["choices"] if c.get("finish_reason"))
-            if spec.cancel_after is not None:
-                return Outcome(CANCELLED, start, time.monotonic(), 200, worker=worker)
-            return Outcome(FAILED, start, time.monotonic(), 200, "stream ended without [DONE]",
-                           worker)
+            return await classify_stream(r, spec, start, worker)
 
     try:
         return await asyncio.wait_for(go(), timeout_s)
@@ -126,6 +104,35 @@ async def send(client: httpx.AsyncClient, base_url: str, spec: Spec,
         return Outcome(HUNG, start, time.monotonic(), detail=f"no answer in {timeout_s:.0f}s")
     except httpx.HTTPError as exc:
         return Outcome(FAILED, start, time.monotonic(), detail=f"{type(exc).__name__}: {exc}")
+
+
+async def classify_stream(r: httpx.Response, spec: Spec, start: float, worker: str) -> Outcome:
+    """Classify a 200 stream by its events, split into lines as SSE says (CR or LF only)."""
+    parser, events, error, finished = SSEParser(), 0, "", 0
+    async for raw in r.aiter_bytes():
+        for payload in parser.feed(raw):
+            if spec.cancel_after is not None and events >= spec.cancel_after:
+                return Outcome(CANCELLED, start, time.monotonic(), 200, worker=worker)
+            events += 1
+            if payload == DONE:
+                if error:
+                    return Outcome(CLEAN_ERROR, start, time.monotonic(), 200, error, worker)
+                if finished == spec.n:
+                    return Outcome(OK, start, time.monotonic(), 200, worker=worker)
+                return Outcome(FAILED, start, time.monotonic(), 200,
+                               f"[DONE] after {finished}/{spec.n} finished choices", worker)
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                return Outcome(FAILED, start, time.monotonic(), 200,
+                               f"malformed event: {payload[:160]!r}", worker)
+            if "error" in chunk:
+                error = json.dumps(chunk["error"])[:200]
+                continue
+            finished += sum(1 for c in chunk["choices"] if c.get("finish_reason"))
+    if spec.cancel_after is not None:
+        return Outcome(CANCELLED, start, time.monotonic(), 200, worker=worker)
+    return Outcome(FAILED, start, time.monotonic(), 200, "stream ended without [DONE]", worker)
 
 
 def _is_envelope(raw: bytes) -> bool:

@@ -47,8 +47,14 @@ def worker_headers(gen: Generation) -> dict[str, str]:
     return {WORKER_HEADER: ",".join(workers)} if workers else {}
 
 
+# Characters that some line readers (Python's str.splitlines, httpx's aiter_lines) take for line
+# breaks, although SSE ends a line only at CR or LF. JSON leaves them raw inside strings; escaped,
+# they read back the same and an event's data stays on one line for every client.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
+    return f"data: {payload.model_dump_json().translate(_LINE_BREAKS)}\n\n"
 
 
 async def sse_body(first: str, chunks: AsyncIterator[str]) -> AsyncIterator[str]:

@@ -18,7 +18,8 @@ from servekit import replica_logs, serve_app, wait_for
 from cluster.api import VERSION
 from cluster.config import ClusterConfig
 from cluster.local_redis import LocalRedis, free_port
-from cluster.render import WORKER_HEADER, sse_body
+from cluster.render import WORKER_HEADER, sse, sse_body
+from cluster.responses import CompletionChoice, CompletionChunk
 from cluster.tokenizer import Tokenizer
 from workers.builtin import ensure_builtin_model
 from workers.checkpoints import BUILTIN_MODEL_NAME
@@ -301,6 +302,22 @@ def test_vllm_sampling_fields_reach_the_sampler(base_url: str, tok: Tokenizer) -
 
 
 @pytest.mark.cluster
+def test_streamed_text_with_unicode_line_breaks_arrives_whole(base_url: str,
+                                                              tok: Tokenizer) -> None:
+    # U+0085 is two byte tokens; both forced, and the penalties make greedy decoding alternate.
+    nel = tok.encode("\x85", add_special_tokens=False)
+    body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(t): 100 for t in nel}, "frequency_penalty": 2.0,
+            "presence_penalty": 2.0, "stream": True}
+    events = sse_events(base_url, "/v1/completions", body)
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert "\x85" in text, repr(text)
+    whole = post(base_url, "/v1/completions", {**body, "stream": False}).json()
+    assert text == whole["choices"][0]["text"]
+
+
+@pytest.mark.cluster
 def test_context_error_mentions_the_limit_and_cluster_keeps_serving(base_url: str) -> None:
     r = post(base_url, "/v1/completions", {"prompt": "x" * 600, "stream": True})
     assert r.status_code == 400
@@ -345,6 +362,17 @@ async def test_error_mid_stream_sends_error_event_then_done() -> None:
     assert out[-1] == "data: [DONE]\n\n"
     error = json.loads(out[-2].removeprefix("data: "))["error"]
     assert error["type"] == "server_error"
+
+
+def test_an_event_stays_one_line_for_readers_that_split_on_unicode_breaks() -> None:
+    text = "a\x85b\u2028c\u2029d\ne"
+    chunk = CompletionChunk(id="c", created=0, model="m",
+                            choices=[CompletionChoice(index=0, text=text)])
+    event = sse(chunk)
+    httpx_lines = list(httpx.Response(200, content=event.encode()).iter_lines())
+    for lines in (event.splitlines(), httpx_lines):
+        assert lines == [event.removesuffix("\n\n"), ""]
+    assert json.loads(event.removeprefix("data: "))["choices"][0]["text"] == text
 
 
 def _scrape(names: list[str], deadline_s: float = 30.0) -> dict[str, list[str]]:

@@ -1,9 +1,14 @@
-"""SSE parsing: keep-alives, role-only and usage-only chunks, errors, [DONE], split lines."""
+"""SSE parsing: keep-alives, role-only and usage-only chunks, errors, [DONE], split lines; and
+how the soak classifies a stream by its events."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import httpx
+
+from bench.soak import CLEAN_ERROR, FAILED, OK, Outcome, Spec, classify_stream
 from bench.sse import SSEParser, chunk_text, decode
 
 ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
@@ -73,3 +78,23 @@ def test_unterminated_last_event_is_flushed_on_close() -> None:
     parser = SSEParser()
     assert parser.feed(b"data: [DONE]") == []
     assert parser.close() == ["[DONE]"]
+
+
+def _soak_outcome(body: bytes, n: int = 1) -> Outcome:
+    response = httpx.Response(200, content=body)
+    return asyncio.run(classify_stream(response, Spec([1], 4, stream=True, n=n), 0.0, "w"))
+
+
+def test_soak_reads_a_stream_whose_text_holds_unicode_line_breaks() -> None:
+    text = {"choices": [{"index": 0, "text": "a\u2028b\x85", "finish_reason": "length"}]}
+    raw = f"data: {json.dumps(text, ensure_ascii=False)}\n\ndata: [DONE]\n\n".encode()
+    assert _soak_outcome(raw).kind == OK
+    assert _soak_outcome(raw, n=2).detail == "[DONE] after 1/2 finished choices"
+
+
+def test_soak_classifies_a_malformed_event_and_an_error_event() -> None:
+    malformed = _soak_outcome(b'data: {"choices": [\n\ndata: [DONE]\n\n')
+    assert (malformed.kind, malformed.detail) == (FAILED, "malformed event: '{\"choices\": ['")
+    error = _soak_outcome(_stream({"error": {"message": "boom"}}, "[DONE]"))
+    assert (error.kind, error.detail) == (CLEAN_ERROR, '{"message": "boom"}')
+    assert _soak_outcome(_stream(HELLO)).detail == "stream ended without [DONE]"
