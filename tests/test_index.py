@@ -217,7 +217,7 @@ async def test_long_runs_of_the_same_holders_are_galloped_exactly(
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("holders", [3, 40])  # 40: past the lookup's one-read-of-all-leases bar
+@pytest.mark.parametrize("holders", [3, 70])  # 70: past the lookup's one-read-of-all-leases bar
 async def test_only_live_holders_of_block_0_are_matched(
     index: RedisPrefixIndex, redis_server: LocalRedis, holders: int
 ) -> None:

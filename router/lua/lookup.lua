@@ -123,28 +123,32 @@ local function reach(c, j)
   return best
 end
 
--- candidates: the workers holding block 1, confirmed, predicted or by a tail; then the live ones
-local live, islive, cand = {}, {}, {}
+-- candidates: the workers holding block 1, confirmed, predicted or by a tail (2-byte ids;
+-- anything else is junk, not a worker); then the live ones, from one read of leases: the
+-- candidates' (ZMSCORE) or, past 64 of them, every live worker's (a reply of plain ids costs less
+-- than formatting hundreds of scores)
+local live, islive, ids = {}, {}, {}
 if nblocks >= 1 then
-  local v = holders(1)
-  if v then
-    for k = 1, #v, 2 do cand[string.sub(v, k, k + 1)] = true end
+  local v = holders(1) or ''
+  for k = 1, #v - 1, 2 do ids[#ids + 1] = string.sub(v, k, k + 1) end
+  local more = {}
+  for c in pairs(predicted_at(1)) do more[c] = true end
+  for c in pairs(all_tails()) do more[c] = true end  -- workers with a sampled tail (few, if any)
+  for c in pairs(more) do
+    if #c == 2 and not has(v, c) then ids[#ids + 1] = c end
   end
-  for c in pairs(predicted_at(1)) do cand[c] = true end
-  for c in pairs(all_tails()) do cand[c] = true end  -- workers with a sampled tail (few, if any)
 end
-local ncand = 0
-for _ in pairs(cand) do ncand = ncand + 1 end
-if ncand > 32 then  -- a popular first block: one read of every lease beats a call per holder
+if #ids > 64 then
+  local cand = {}
+  for _, c in ipairs(ids) do cand[c] = true end
   for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
-    if cand[c] and #c == 2 then live[#live + 1], islive[c] = c, true end
+    if cand[c] then live[#live + 1], islive[c] = c, true end
   end
-else
-  for c in pairs(cand) do
-    if #c == 2 then  -- anything else is junk, not a worker
-      local lease = redis.call('ZSCORE', KEYS[1], c)
-      if lease and tonumber(lease) >= now then live[#live + 1], islive[c] = c, true end
-    end
+elseif #ids > 0 then
+  local leases = redis.call('ZMSCORE', KEYS[1], unpack(ids))
+  for k, c in ipairs(ids) do
+    local lease = tonumber(leases[k])
+    if lease and lease >= now then live[#live + 1], islive[c] = c, true end
   end
 end
 
