@@ -54,7 +54,8 @@ import hashlib
 import logging
 import re
 import struct
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, KeysView, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -208,6 +209,9 @@ class RedisPrefixIndex:
         self._by_replica: dict[str, WorkerLoad] = {}
         self._ids: dict[str, int] = {}
         self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
+        # ids in lookups' replies that the last list of live workers did not know, until when
+        self._strays: frozenset[int] = frozenset()
+        self._strays_until = 0.0
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -346,8 +350,11 @@ class RedisPrefixIndex:
         reply = await self._eval("lookup", keys, args)
         rv, live, segs, rides, lv, changed, everything, walked = msgpack.unpackb(reply, raw=True)
         depth = match_depths(live, segs, rides, walked)
-        if rv != self._rv or not depth.keys() <= self._workers.keys():
+        if rv != self._rv or (not depth.keys() <= self._workers.keys()
+                              and self._news(depth.keys())):
             await self.live_workers()
+            self._strays = frozenset(depth.keys() - self._workers.keys())
+            self._strays_until = time.monotonic() + self.lease_ttl_s
         self._lv = lv
         if everything or changed:
             news = {int.from_bytes(changed[i], "big"): changed[i + 1] or None  # False: no load
@@ -367,6 +374,14 @@ class RedisPrefixIndex:
                 matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
                                                        predicted, load)
         return LookupResult(matches, walked, self._by_replica, self._ids)
+
+    def _news(self, ids: KeysView[int]) -> bool:
+        """Whether ids a reply holds that no known worker has call for a fresh list of the
+        live workers: not when the last one, fetched less than a lease ago, lacked them too (junk,
+        or a dead worker whose entries the sweep is removing), so they cost one list, not one
+        per lookup."""
+        return not ids - self._workers.keys() <= self._strays or (
+            time.monotonic() >= self._strays_until)
 
     def _publish_loads(self) -> None:
         self._by_replica = {

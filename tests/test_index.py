@@ -217,7 +217,7 @@ async def test_long_runs_of_the_same_holders_are_galloped_exactly(
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("holders", [3, 70])  # 70: past the lookup's one-read-of-all-leases bar
+@pytest.mark.parametrize("holders", [3, 70])  # 70: a first block many workers hold
 async def test_only_live_holders_of_block_0_are_matched(
     index: RedisPrefixIndex, redis_server: LocalRedis, holders: int
 ) -> None:
@@ -226,12 +226,90 @@ async def test_only_live_holders_of_block_0_are_matched(
     for w in ids[:holders]:
         assert await index.apply(stored(w, 1, ch if w != ids[1] else ch[:2])) is ResultCode.OK
     assert await index.apply(stored(ids[-1], 1, ch[1:])) is ResultCode.OK  # no block 0: no match
-    raw = redis.Redis.from_url(redis_server.url)
-    raw.zadd("{" + index.tag + "}live", {ids[0].to_bytes(2, "big"): 1})  # its lease lapsed
-    result = await index.lookup(ch)
+    await index.predict(ch, ids[-2])  # W{holders} holds it by a prediction only
+    only_w0 = chain_of(42, 3)
+    assert await index.apply(stored(ids[0], 2, only_w0)) is ResultCode.OK
     want = {f"W{i}": (3, 3) for i in range(2, holders)} | {"W1": (2, 2)}
+    # the client knows them all as live workers: only the index can tell their leases lapsed
+    assert depths(await index.lookup(ch)) == want | {"W0": (3, 3), f"W{holders}": (0, 3)}
+    raw = redis.Redis.from_url(redis_server.url)
+    seconds, micros = raw.time()
+    just_now = seconds * 1000 + micros // 1000 - 50  # ms, Redis' clock
+    lapsed = {ids[0].to_bytes(2, "big"): just_now, ids[-2].to_bytes(2, "big"): 1}
+    raw.zadd("{" + index.tag + "}live", lapsed)  # their leases lapsed
+    result = await index.lookup(ch)
     assert depths(result) == want
     assert result.blocks_walked == 3
+    alone = await index.lookup(only_w0)  # its one holder is not live: no walk past block 0
+    assert alone.matches == {} and alone.blocks_walked == 1
+
+
+def count_lists(idx: RedisPrefixIndex, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the index's reads of the live workers' list: ``[n]``, updated as they happen."""
+    calls, live_workers = [0], idx.live_workers
+
+    async def counted():
+        calls[0] += 1
+        return await live_workers()
+
+    monkeypatch.setattr(idx, "live_workers", counted)
+    return calls
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("stray", ["swept", "junk"])
+async def test_holders_that_are_no_live_worker_match_nothing_and_cost_one_list(
+    index: RedisPrefixIndex, redis_server: LocalRedis, stray: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead worker whose entries the sweep is removing (out of the live set), or an id no
+    worker has among block 0's holders: it matches nothing, and it makes the client read the
+    live workers once, not on every lookup."""
+    a, b = await register(index, "A"), await register(index, "B")
+    ch = chain_of(43, 3)
+    for w in (a, b):
+        assert await index.apply(stored(w, 1, ch)) is ResultCode.OK
+    assert depths(await index.lookup(ch)) == {"A": (3, 3), "B": (3, 3)}
+    raw, tag = redis.Redis.from_url(redis_server.url), "{" + index.tag + "}"
+    want = {"A": (3, 3)}
+    if stray == "swept":  # the sweep's first step (gc_mark.lua): out of the live set, rv moves
+        raw.zrem(tag + "live", b.to_bytes(2, "big"))
+        raw.incr(tag + "rv")
+    else:  # someone else's junk: an id nobody registered, among block 0's holders
+        first = ch[0][:INDEX_KEY_BYTES]
+        raw.hset(tag + "B", first, raw.hget(tag + "B", first) + (999).to_bytes(2, "big"))
+        want["B"] = (3, 3)
+    lists = count_lists(index, monkeypatch)
+    for _ in range(4):
+        assert depths(await index.lookup(ch)) == want
+    assert lists == [1]
+
+
+@pytest.mark.cluster
+async def test_unknown_holders_are_looked_up_again_after_a_lease(
+    redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ids the last list of live workers lacked are asked about again once a lease has passed:
+    one whose lease had lapsed then may be back (renewed by a heartbeat, which moves no rv)."""
+    idx = RedisPrefixIndex(redis_server.url, model_name(), deadline_s=1.0,
+                           settings=IndexSettings(lease_ttl_s=2.0))
+    try:
+        a = await register(idx, "A")
+        ch = chain_of(44, 2)
+        assert await idx.apply(stored(a, 1, ch)) is ResultCode.OK
+        raw, tag = redis.Redis.from_url(redis_server.url), "{" + idx.tag + "}"
+        first = ch[0][:INDEX_KEY_BYTES]
+        raw.hset(tag + "B", first, raw.hget(tag + "B", first) + (999).to_bytes(2, "big"))
+        await idx.lookup(ch)
+        lists = count_lists(idx, monkeypatch)
+        await idx.lookup(ch)
+        assert lists == [0]  # the first lookup's list lacked 999: not asked again at once
+        await asyncio.sleep(idx.lease_ttl_s + 0.1)
+        await idx.heartbeat(a, 1, WorkerLoad())
+        assert depths(await idx.lookup(ch)) == {"A": (2, 2)}
+        assert lists == [1]
+    finally:
+        await idx.close()
 
 
 @pytest.mark.cluster

@@ -1,7 +1,7 @@
 -- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
 --   version ('' for none)
--- -> msgpack of {rv, the live workers holding block 1 (confirmed, predicted or by a tail;
---     2-byte ids),
+-- -> msgpack of {rv, the workers holding block 1: confirmed (but for lapsed leases) and, if
+--     live, predicted or by a tail (2-byte ids; the client drops ids it does not know live),
 --     {block, holders, block, holders, ...}: where the confirmed holders change along the walk,
 --     from block 1 ('' holders: nobody from there on), per rider 2-byte id | u32 predicted
 --     depth, lv, {2-byte id, load, ...} of the loads changed since the caller's version, 1 when
@@ -123,34 +123,44 @@ local function reach(c, j)
   return best
 end
 
--- candidates: the workers holding block 1, confirmed, predicted or by a tail (2-byte ids;
--- anything else is junk, not a worker); then the live ones, from one read of leases: the
--- candidates' (ZMSCORE) or, past 64 of them, every live worker's (a reply of plain ids costs less
--- than formatting hundreds of scores)
-local live, islive, ids = {}, {}, {}
+-- candidates: the live workers holding block 1. Its confirmed holders come as they are, less
+-- the few whose lease lapsed and whose entries the sweep (GC) has not removed yet: reading a
+-- lease per holder cost more than the rest of a lookup whose first block a thousand workers
+-- hold (a shared system prompt). Workers the sweep is removing, or ids no worker has, may
+-- remain: the client keeps only the live workers it knows. Those holding block 1 only by a
+-- predicted entry or a tail (few) have their leases read.
+local v1, riding, ridelive = '', {}, {}  -- riding: those few, live, as a list and a set
 if nblocks >= 1 then
   local v = holders(1) or ''
-  for k = 1, #v - 1, 2 do ids[#ids + 1] = string.sub(v, k, k + 1) end
-  local more = {}
+  local lapsed = {}
+  for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. now)) do
+    lapsed[c] = true
+  end
+  v1 = v
+  if next(lapsed) then
+    local keep = {}
+    for k = 1, #v - 1, 2 do
+      local c = string.sub(v, k, k + 1)
+      if not lapsed[c] then keep[#keep + 1] = c end
+    end
+    v1 = table.concat(keep)
+  end
+  local more, ids = {}, {}
   for c in pairs(predicted_at(1)) do more[c] = true end
   for c in pairs(all_tails()) do more[c] = true end  -- workers with a sampled tail (few, if any)
   for c in pairs(more) do
-    if #c == 2 and not has(v, c) then ids[#ids + 1] = c end
+    if #c == 2 and not has(v, c) then ids[#ids + 1] = c end  -- anything else is junk
+  end
+  for s = 1, #ids, 256 do
+    local part = {unpack(ids, s, math.min(#ids, s + 255))}
+    local leases = redis.call('ZMSCORE', KEYS[1], unpack(part))
+    for k, c in ipairs(part) do
+      local lease = tonumber(leases[k])
+      if lease and lease >= now then riding[#riding + 1], ridelive[c] = c, true end
+    end
   end
 end
-if #ids > 64 then
-  local cand = {}
-  for _, c in ipairs(ids) do cand[c] = true end
-  for _, c in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')) do
-    if cand[c] then live[#live + 1], islive[c] = c, true end
-  end
-elseif #ids > 0 then
-  local leases = redis.call('ZMSCORE', KEYS[1], unpack(ids))
-  for k, c in ipairs(ids) do
-    local lease = tonumber(leases[k])
-    if lease and lease >= now then live[#live + 1], islive[c] = c, true end
-  end
-end
+local function islive(c) return ridelive[c] or has(v1, c) end
 
 local segs, riders, nr, dp, cover = {}, {}, 0, {}, {}
 -- a live worker out of the confirmed holders at block j rides on if a prediction or tail does
@@ -166,7 +176,7 @@ end
 
 local walked, j = math.min(nblocks, 1), 1
 local conf, prev, since = true, nil, 1  -- conf: the confirmed walk goes on
-while #live > 0 and j <= nblocks do
+while (v1 ~= '' or #riding > 0) and j <= nblocks do
   local v = holders(j)
   walked = j
   if conf and (j == 1 or v ~= prev) then
@@ -177,7 +187,7 @@ while #live > 0 and j <= nblocks do
     for c in pairs(predicted_at(j)) do maybe[c] = true end
     for c in pairs(all_tails()) do maybe[c] = true end
     for c in pairs(maybe) do
-      if islive[c] and (j == 1 or has(prev, c)) and not has(v, c) then board(c, j) end
+      if islive(c) and (j == 1 or has(prev, c)) and not has(v, c) then board(c, j) end
     end
     conf, prev, since = v and true or false, v, j
   end
@@ -240,5 +250,5 @@ elseif mine < tonumber(lv) then
     end
   end
 end
-return cmsgpack.pack({redis.call('GET', KEYS[3]) or '0', table.concat(live), segs,
+return cmsgpack.pack({redis.call('GET', KEYS[3]) or '0', v1 .. table.concat(riding), segs,
                       table.concat(recs), lv, changed, all, walked})
