@@ -27,7 +27,16 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 
 from bench.redis_time import lookup_clock
 from router.blocks import Chain
-from router.index import IndexSettings, LookupResult, PrefixIndex, open_index, within
+from router.events import WorkerLoad
+from router.index import (
+    IndexSettings,
+    LookupResult,
+    PrefixIndex,
+    WorkerMatch,
+    open_index,
+    within,
+)
+from router.local_index import LocalIndex
 from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState
 
@@ -61,15 +70,44 @@ class Timings:
     lookups_failed: int = 0
 
 
+@dataclass
+class LocalLookup:
+    """The prefix policy's lookup answered in process: confirmed depths from a
+    :class:`router.local_index.LocalIndex` that the simulator feeds each worker's KV events as
+    it publishes them to the index, loads as last reported. What a router-local index would cost
+    a decision: how events reach the router is not modelled, nor other routers' predictions
+    (this router's own are in its state)."""
+
+    index: LocalIndex = field(default_factory=LocalIndex)
+    ids: dict[str, int] = field(default_factory=dict)  # replica -> index worker id
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)  # replica -> last reported
+    _names: dict[int, str] = field(default_factory=dict)
+
+    def add(self, name: str, worker_id: int) -> None:
+        self.ids = {**self.ids, name: worker_id}  # replaced, never changed: results share it
+        self._names[worker_id] = name
+
+    def lookup(self, chain: Chain) -> LookupResult:
+        depths = self.index.depths(chain)
+        matches = {}
+        for worker_id, depth in depths.items():
+            name = self._names[worker_id]
+            matches[name] = WorkerMatch(worker_id, name, depth, depth, self.loads.get(name))
+        return LookupResult(matches, max(depths.values(), default=min(1, len(chain))),
+                            dict(self.loads), self.ids)
+
+
 class SimRouter:
     """One policy routing to workers known by name; a decision returns the worker's index.
 
     ``index_deadline_s``: the index client's deadline; ``redis_time`` (prefix): Redis' own ms
-    running the lookups since its last call, read after each decision, outside its timing."""
+    running the lookups since its last call, read after each decision, outside its timing;
+    ``local`` (prefix): answer the lookups in process instead (:class:`LocalLookup`)."""
 
     def __init__(self, policy: str, names: Sequence[str], index: PrefixIndex | None,
                  settings: RouterSettings, *, index_deadline_s: float, seed: int = 0,
-                 redis_time: Callable[[], float] | None = None) -> None:
+                 redis_time: Callable[[], float] | None = None,
+                 local: LocalLookup | None = None) -> None:
         check_policy(policy, index)
         self.policy = policy
         self.names = list(names)
@@ -80,7 +118,8 @@ class SimRouter:
         self.tree = PrefixTree()  # ray_prefix's
         self.tree.add_tenants(self.names, 0.0)
         self.lookup_wait_s = LOOKUP_WAIT_DEADLINES * index_deadline_s
-        self.redis_time = redis_time if self.index is not None else None
+        self.local = local if self.index is not None else None
+        self.redis_time = redis_time if self.index is not None and local is None else None
         self.timings = Timings()
         self._rr = itertools.cycle(range(len(self.names)))
 
@@ -151,12 +190,15 @@ class SimRouter:
         if self.state.lookup_blocked(now) is not None:
             return None
         start = time.perf_counter()
-        try:
-            result = await within(self.index.lookup(chain), self.lookup_wait_s)
-        except Exception:  # fail open, as the request router does
-            self.timings.lookups_failed += 1
-            self.state.lookup_failed(now)
-            return None
+        if self.local is not None:
+            result = self.local.lookup(chain)
+        else:
+            try:
+                result = await within(self.index.lookup(chain), self.lookup_wait_s)
+            except Exception:  # fail open, as the request router does
+                self.timings.lookups_failed += 1
+                self.state.lookup_failed(now)
+                return None
         self.timings.lookup_s.append(time.perf_counter() - start)
         self.state.looked_up(result)
         return result

@@ -57,6 +57,7 @@ from bench.round_trip import measure as measure_round_trips
 from bench.sim_router import (
     POLICIES,
     IndexSpec,
+    LocalLookup,
     RouterProcess,
     RouterSpec,
     SimRouter,
@@ -222,12 +223,16 @@ class Simulator:
         router: Mapping[str, Any] | None = None,
         redis_time: Callable[[], float] | None = None,
         router_process: IndexSpec | None = None,
+        local_index: bool = False,
     ) -> None:
         """``router``: RouterSettings fields; ``redis_time``: Redis' own ms running the
         lookups since its last call (read after each prefix decision, outside its timing);
         ``router_process``: run the router in a process of its own, with its own connection
-        to this index (and its own Redis timing)."""
+        to this index (and its own Redis timing); ``local_index``: answer the router's lookups
+        from the fleet's own events, in process (:class:`bench.sim_router.LocalLookup`)."""
         check_policy(policy, index)  # here too: a router process would only fail at start
+        if local_index and router_process is not None:
+            raise ValueError("a local index answers a router in the simulator's process only")
         self.profile = profile
         self.policy = policy
         self.index = index if policy == "prefix" else None
@@ -240,10 +245,11 @@ class Simulator:
             weights=weights or PolicyConfig(), **(router or {}))
         names = tuple(w.name for w in self.workers)
         self.router: SimRouter | RouterProcess
+        self.local = LocalLookup() if local_index and self.index is not None else None
         if router_process is None:
             self.router = SimRouter(policy, names, self.index, settings,
                                     index_deadline_s=INDEX_DEADLINE_S, seed=seed,
-                                    redis_time=redis_time)
+                                    redis_time=redis_time, local=self.local)
         else:
             self.router = RouterProcess(RouterSpec(policy, names, settings, seed,
                                                    router_process))
@@ -271,6 +277,8 @@ class Simulator:
                 w.name, epoch=1, block_size=w.engine.block_size,
                 fingerprint=w.engine.model_fingerprint, node="sim")
             await self.index.resync(w.worker_id, 1, [], 0)
+            if self.local is not None:
+                self.local.add(w.name, w.worker_id)
             await self._heartbeat(w, 0.0)
 
     async def _heartbeat(self, w: SimWorker, now: float) -> None:
@@ -281,11 +289,15 @@ class Simulator:
         if idle and since is not None and now - since < IDLE_HEARTBEAT_S:
             return  # an idle load changes only in its busy share, which decays slowly
         w.idle_reported_at = now if idle else None
+        load = s.load(now)
         try:
-            await self.index.heartbeat(w.worker_id, 1, s.load(now))
+            await self.index.heartbeat(w.worker_id, 1, load)
         except IndexUnavailable:
             self.index_failures += 1
             w.idle_reported_at = None
+            return
+        if self.local is not None:
+            self.local.loads[w.name] = load
 
     async def _flush(self, w: SimWorker) -> None:
         """Apply the unpublished events in batches; after a failure, as the publisher does,
@@ -296,14 +308,19 @@ class Simulator:
             return
         try:
             if w.dirty:
-                await self.index.resync(w.worker_id, 1, w.engine.cached_block_hashes(), w.seq)
+                hashes = w.engine.cached_block_hashes()
+                await self.index.resync(w.worker_id, 1, hashes, w.seq)
                 w.dirty = False
+                if self.local is not None:
+                    self.local.index.replace(w.worker_id, hashes)
                 return
             for batch in _batches(events):
                 w.seq += 1
                 result = await self.index.apply(EventBatch(w.worker_id, 1, w.seq, batch))
                 if result is not ResultCode.OK:
                     raise IndexUnavailable(f"apply answered {result.name}")
+                if self.local is not None:
+                    self.local.index.apply(w.worker_id, batch)
         except IndexUnavailable:
             self.index_failures += 1
             w.dirty = w.flush_due = True
@@ -568,7 +585,8 @@ async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips
                                         heartbeat_s=args.heartbeat_s, seed=args.seed,
                                         ceiling=ceiling, weights=weights,
                                         router=dict(args.router),
-                                        router_process=args.router_process)
+                                        router_process=args.router_process,
+                                        local_index=args.local_index)
                 ceiling = result.ceiling_hit_rate
                 results.append(result)
                 print(table([result]).splitlines()[-1], file=sys.stderr, flush=True)
@@ -632,8 +650,14 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="run the router in a process of its own, as a live one runs in "
                         "the ingress's, not between the simulated fleet's steps (the same "
                         "decisions; their times without the fleet's cache traffic)")
+    parser.add_argument("--local-index", action="store_true",
+                        help="answer the prefix policy's lookups in process, from an index fed "
+                        "by the fleet's own KV events (what a router-local index would cost a "
+                        "decision; Redis still receives every event)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.local_index and args.router_process:
+        parser.error("--local-index answers a router in the simulator's process only")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
         results, trips = runner.run(run_all(args))
     print(table(results))

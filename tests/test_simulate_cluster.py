@@ -25,6 +25,7 @@ from bench.simulate import (
     simulate,
     trace_requests,
 )
+from router.blocks import Chain, hash_chain, namespace
 from router.index import IndexSettings, open_index
 from router.policy import PolicyConfig
 from workers.engine_types import EngineConfig
@@ -104,18 +105,43 @@ def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server,
 
 
 async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: str,
-                 own_process: bool = False, **router: int) -> tuple[Simulator, list[int | None]]:
+                 own_process: bool = False, local_index: bool = False, **router: int,
+                 ) -> tuple[Simulator, list[int | None]]:
     """A prefix-policy run over 8 workers: the simulator and where each request went."""
     model, settings = f"t-{time.time_ns()}", IndexSettings(lease_ttl_s=LEASE_TTL_S)
     index = open_index(redis_url, model, deadline_s=2.0, settings=settings)
     where = IndexSpec(redis_url, model, settings, 2.0) if own_process else None
-    sim = Simulator(PROFILE, 8, "prefix", config, index, router=router, router_process=where)
+    sim = Simulator(PROFILE, 8, "prefix", config, index, router=router, router_process=where,
+                    local_index=local_index)
     reqs = fresh(requests)
+    asked, lookup = [], index.lookup
+
+    async def counted(chain):
+        asked.append(chain)
+        return await lookup(chain)
+
+    index.lookup = counted  # type: ignore[method-assign]
     try:
         await sim.run(reqs)
+        index.lookup = lookup  # type: ignore[method-assign]
+        if local_index:
+            assert not asked  # the local index answered every lookup
+        elif not own_process:  # (a router process has its own connection)
+            assert len(asked) >= len(reqs)
+        if local_index:  # the local copy holds what the index holds, worker by worker
+            assert sim.local is not None
+            for req in reqs[::5]:
+                chain = hash_chain(req.tokens, config.block_size, ns(sim))
+                want = {m.worker_id: m.confirmed_depth
+                        for m in (await index.lookup(chain)).matches.values()}
+                assert sim.local.index.depths(Chain.of(chain)) == want
     finally:
         await index.close()
     return sim, [r.worker for r in reqs]
+
+
+def ns(sim: Simulator) -> bytes:
+    return namespace(sim.workers[0].engine.model_fingerprint)
 
 
 def test_long_prompts_hashed_as_needed_route_as_if_hashed_whole(redis_server) -> None:
@@ -145,6 +171,20 @@ def test_a_router_in_its_own_process_makes_the_same_decisions(redis_server, tmp_
     assert len(timed.route_s) == len(timed.cpu_s) == len(timed.redis_s) == len(requests)
     assert len(timed.lookup_s) == len(here.router.timings.lookup_s) >= len(requests)
     assert sum(timed.redis_s) > 0 and timed.lookups_failed == 0
+
+
+def test_a_local_index_answers_as_the_redis_lookups_did(redis_server, tmp_path) -> None:
+    requests, config = workload(tmp_path, 40)
+    _, routed_redis = asyncio.run(replay(requests, config, redis_server.url))
+    local, routed_local = asyncio.run(replay(requests, config, redis_server.url,
+                                             local_index=True))
+    assert isinstance(local.router, SimRouter) and local.router.local is local.local
+    assert routed_local == routed_redis and len(set(routed_local)) > 1
+    assert len(local.router.timings.lookup_s) >= len(requests)
+    with pytest.raises(ValueError, match="process"):
+        Simulator(PROFILE, 2, "prefix", config, object(),  # type: ignore[arg-type]
+                  router_process=IndexSpec("redis://x", "m", IndexSettings(), 1.0),
+                  local_index=True)
 
 
 def test_policies_are_checked_before_anything_starts() -> None:

@@ -1,0 +1,124 @@
+"""A router's own copy of which worker holds which block, fed by the workers' KV events: the
+confirmed part of a lookup without a round trip to the index.
+
+On a shared 2-vCPU host a decision's round trip to Redis (its wake-up latency, and Redis' own
+time while events flow) is more than half of a routing decision's p99; answered in process, the
+walk costs about 0.1 ms. This holds the confirmed holders only: what the workers' events say.
+Leases, loads and predictions stay with the index (:mod:`router.redis_index`).
+
+Each block maps to a bitmask of worker slots, so a chain's walk intersects one integer per
+block it reads. A worker caches a block only after the blocks before it and evicts a chain's
+tail first, so the holders of block ``j`` hold every block before it; the walk gallops over runs
+of unchanged holders and binary-searches the block where the next worker leaves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from router.blocks import DIGEST_BYTES, BlockHash, Chain
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+
+class LocalIndex:
+    """Confirmed block holders, as the KV events of each worker (by index worker id) say."""
+
+    def __init__(self) -> None:
+        self._holders: dict[BlockHash, int] = {}  # block digest -> bitmask of worker slots
+        self._blocks: dict[int, set[BlockHash]] = {}  # worker id -> its blocks
+        self._slots: dict[int, int] = {}  # worker id -> its bit's position
+        self._ids: dict[int, int] = {}  # bit position -> worker id
+        self._free: list[int] = []  # positions of dropped workers, reused first
+
+    def apply(self, worker_id: int, events: Iterable[KVEvent]) -> None:
+        """One worker's events, in order."""
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._store(worker_id, event.hashes)
+            elif isinstance(event, BlockRemoved):
+                self._remove(worker_id, event.hashes)
+            elif isinstance(event, AllBlocksCleared):
+                self._remove(worker_id, tuple(self._blocks.get(worker_id, ())))
+
+    def replace(self, worker_id: int, hashes: Iterable[BlockHash]) -> None:
+        """The worker's whole block set, as a resync states it."""
+        self.drop(worker_id)
+        self._store(worker_id, tuple(hashes))
+
+    def drop(self, worker_id: int) -> None:
+        """Forget the worker (gone, or about to be replaced) and free its slot."""
+        slot = self._slots.pop(worker_id, None)
+        if slot is None:
+            return
+        self._unset(1 << slot, self._blocks.pop(worker_id))
+        del self._ids[slot]
+        self._free.append(slot)
+
+    def depths(self, chain: Chain) -> dict[int, int]:
+        """Each worker's consecutive confirmed depth of ``chain`` from block 0 (blocks), for
+        the workers holding block 0."""
+        packed, get = chain.packed, self._holders.get
+        n = len(packed) // DIGEST_BYTES
+        alive = get(packed[:DIGEST_BYTES], 0)
+        out: dict[int, int] = {}
+        lo = 0  # every worker still in ``alive`` holds blocks 0..lo
+        while alive:
+            hi, step = n, 1
+            while lo + 1 < n:  # gallop to a block some of them lack
+                at = min(n - 1, lo + step)
+                if alive & get(packed[at * DIGEST_BYTES : (at + 1) * DIGEST_BYTES], 0) == alive:
+                    lo, step = at, step * 2
+                else:
+                    hi = at
+                    break
+            if hi == n:
+                break
+            while hi - lo > 1:  # the first block one of them lacks
+                mid = (lo + hi) // 2
+                if alive & get(packed[mid * DIGEST_BYTES : (mid + 1) * DIGEST_BYTES], 0) == alive:
+                    lo = mid
+                else:
+                    hi = mid
+            still = alive & get(packed[hi * DIGEST_BYTES : (hi + 1) * DIGEST_BYTES], 0)
+            self._settle(alive & ~still, hi, out)
+            alive, lo = still, hi
+        self._settle(alive, n, out)
+        return out
+
+    def _settle(self, mask: int, depth: int, out: dict[int, int]) -> None:
+        """Record ``depth`` for every worker in ``mask``."""
+        while mask:
+            low = mask & -mask
+            out[self._ids[low.bit_length() - 1]] = depth
+            mask ^= low
+
+    def _bit(self, worker_id: int) -> int:
+        slot = self._slots.get(worker_id)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._slots)
+            self._slots[worker_id], self._ids[slot] = slot, worker_id
+        return 1 << slot
+
+    def _store(self, worker_id: int, hashes: tuple[BlockHash, ...]) -> None:
+        bit, holders = self._bit(worker_id), self._holders
+        held = self._blocks.setdefault(worker_id, set())
+        for h in hashes:
+            holders[h] = holders.get(h, 0) | bit
+            held.add(h)
+
+    def _remove(self, worker_id: int, hashes: tuple[BlockHash, ...]) -> None:
+        held = self._blocks.get(worker_id)
+        if not held:  # nothing stored yet (a worker's blocks and slot come together)
+            return
+        gone = [h for h in hashes if h in held]
+        held.difference_update(gone)
+        self._unset(1 << self._slots[worker_id], gone)
+
+    def _unset(self, bit: int, hashes: Iterable[BlockHash]) -> None:
+        holders = self._holders
+        for h in hashes:
+            rest = holders[h] & ~bit
+            if rest:
+                holders[h] = rest
+            else:
+                del holders[h]
