@@ -58,15 +58,19 @@ class LocalIndex:
         """Each worker's consecutive confirmed depth of ``chain`` from block 0 (blocks), for
         the workers holding block 0."""
         packed, get = chain.packed, self._holders.get
+
+        def holders(j: int) -> int:
+            return get(packed[j * DIGEST_BYTES : (j + 1) * DIGEST_BYTES], 0)
+
         n = len(packed) // DIGEST_BYTES
-        alive = get(packed[:DIGEST_BYTES], 0)
+        alive = holders(0)  # an empty chain: b"", no block
         out: dict[int, int] = {}
         lo = 0  # every worker still in ``alive`` holds blocks 0..lo
         while alive:
             hi, step = n, 1
             while lo + 1 < n:  # gallop to a block some of them lack
                 at = min(n - 1, lo + step)
-                if alive & get(packed[at * DIGEST_BYTES : (at + 1) * DIGEST_BYTES], 0) == alive:
+                if alive & holders(at) == alive:
                     lo, step = at, step * 2
                 else:
                     hi = at
@@ -75,11 +79,11 @@ class LocalIndex:
                 break
             while hi - lo > 1:  # the first block one of them lacks
                 mid = (lo + hi) // 2
-                if alive & get(packed[mid * DIGEST_BYTES : (mid + 1) * DIGEST_BYTES], 0) == alive:
+                if alive & holders(mid) == alive:
                     lo = mid
                 else:
                     hi = mid
-            still = alive & get(packed[hi * DIGEST_BYTES : (hi + 1) * DIGEST_BYTES], 0)
+            still = alive & holders(hi)
             self._settle(alive & ~still, hi, out)
             alive, lo = still, hi
         self._settle(alive, n, out)
