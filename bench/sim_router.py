@@ -79,13 +79,18 @@ class LocalLookup:
     (this router's own are in its state)."""
 
     index: LocalIndex = field(default_factory=LocalIndex)
-    ids: dict[str, int] = field(default_factory=dict)  # replica -> index worker id
-    loads: dict[str, WorkerLoad] = field(default_factory=dict)  # replica -> last reported
+    # replica -> index worker id / last reported load: replaced, never changed, so results
+    # share them without a copy per lookup (as the Redis client's)
+    ids: dict[str, int] = field(default_factory=dict)
+    loads: dict[str, WorkerLoad] = field(default_factory=dict)
     _names: dict[int, str] = field(default_factory=dict)
 
     def add(self, name: str, worker_id: int) -> None:
-        self.ids = {**self.ids, name: worker_id}  # replaced, never changed: results share it
+        self.ids = {**self.ids, name: worker_id}
         self._names[worker_id] = name
+
+    def report(self, name: str, load: WorkerLoad) -> None:
+        self.loads = {**self.loads, name: load}
 
     def lookup(self, chain: Chain) -> LookupResult:
         depths = self.index.depths(chain)
@@ -94,7 +99,7 @@ class LocalLookup:
             name = self._names[worker_id]
             matches[name] = WorkerMatch(worker_id, name, depth, depth, self.loads.get(name))
         return LookupResult(matches, max(depths.values(), default=min(1, len(chain))),
-                            dict(self.loads), self.ids)
+                            self.loads, self.ids)
 
 
 class SimRouter:

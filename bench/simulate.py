@@ -297,7 +297,7 @@ class Simulator:
             w.idle_reported_at = None
             return
         if self.local is not None:
-            self.local.loads[w.name] = load
+            self.local.report(w.name, load)
 
     async def _flush(self, w: SimWorker) -> None:
         """Apply the unpublished events in batches; after a failure, as the publisher does,
