@@ -144,10 +144,12 @@ class Model:
 
 
 async def open_model(url: str, name: str, raw_of: Callable[[str], redis.Redis], workers: int,
-                     shards: int = 1) -> Model:
+                     shards: int = 1, event_log: int = 0) -> Model:
     """Register ``workers`` replicas of ``name`` (leases long enough for the whole run);
-    ``raw_of(tag)`` is the plain client of the shard holding a key prefix's slot."""
-    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0, shards=shards)
+    ``raw_of(tag)`` is the plain client of the shard holding a key prefix's slot;
+    ``event_log``: the index's event log (0: none, as a fleet this size runs)."""
+    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0, shards=shards,
+                             event_log=event_log)
     index = open_index(url, name, deadline_s=30.0, settings=settings)
     stores = index.stores if isinstance(index, ShardedPrefixIndex) else [index]
     assert all(isinstance(s, RedisPrefixIndex) for s in stores)
@@ -336,7 +338,8 @@ async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
     with LocalRedis() as server:
         raw = redis.Redis.from_url(server.url)
         raw.config_set("slowlog-log-slower-than", -1)
-        model = await open_model(server.url, "llama3-8b", lambda _: raw, args.workers)
+        model = await open_model(server.url, "llama3-8b", lambda _: raw, args.workers,
+                                 event_log=args.event_log)
         before = memory(raw)
         cpu0 = server_cpu_s(raw)
         took = await fill(model, fleet, args.concurrency, args.keep, rng)
@@ -589,6 +592,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--churn-batch", type=int, default=32, help="blocks stored per batch")
     p.add_argument("--apply-seconds", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--event-log", type=int, default=0,
+                   help="single mode: the index's event log (IndexSettings.event_log); 0 keeps "
+                   "none, as a fleet of 1,000 workers runs (its routers ask the index)")
     p.add_argument("--only-lookups", action="store_true",
                    help="single mode: fill, memory and lookups without background traffic")
     p.add_argument("--json", type=Path, help="write the results here too")

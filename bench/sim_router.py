@@ -27,16 +27,14 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 
 from bench.redis_time import lookup_clock
 from router.blocks import Chain
-from router.events import WorkerLoad
 from router.index import (
     IndexSettings,
     LookupResult,
     PrefixIndex,
-    WorkerMatch,
     open_index,
     within,
 )
-from router.local_index import LocalIndex
+from router.index_follower import IndexFollower
 from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState
 
@@ -70,49 +68,18 @@ class Timings:
     lookups_failed: int = 0
 
 
-@dataclass
-class LocalLookup:
-    """The prefix policy's lookup answered in process: confirmed depths from a
-    :class:`router.local_index.LocalIndex` that the simulator feeds each worker's KV events as
-    it publishes them to the index, loads as last reported. What a router-local index would cost
-    a decision: how events reach the router is not modelled, nor other routers' predictions
-    (this router's own are in its state)."""
-
-    index: LocalIndex = field(default_factory=LocalIndex)
-    # replica -> index worker id / last reported load: replaced, never changed, so results
-    # share them without a copy per lookup (as the Redis client's)
-    ids: dict[str, int] = field(default_factory=dict)
-    loads: dict[str, WorkerLoad] = field(default_factory=dict)
-    _names: dict[int, str] = field(default_factory=dict)
-
-    def add(self, name: str, worker_id: int) -> None:
-        self.ids = {**self.ids, name: worker_id}
-        self._names[worker_id] = name
-
-    def report(self, name: str, load: WorkerLoad) -> None:
-        self.loads = {**self.loads, name: load}
-
-    def lookup(self, chain: Chain) -> LookupResult:
-        depths = self.index.depths(chain)
-        matches = {}
-        for worker_id, depth in depths.items():
-            name = self._names[worker_id]
-            matches[name] = WorkerMatch(worker_id, name, depth, depth, self.loads.get(name))
-        return LookupResult(matches, max(depths.values(), default=min(1, len(chain))),
-                            self.loads, self.ids)
-
-
 class SimRouter:
     """One policy routing to workers known by name; a decision returns the worker's index.
 
     ``index_deadline_s``: the index client's deadline; ``redis_time`` (prefix): Redis' own ms
     running the lookups since its last call, read after each decision, outside its timing;
-    ``local`` (prefix): answer the lookups in process instead (:class:`LocalLookup`)."""
+    ``local`` (prefix): answer the lookups in process instead, from a follower of the index's
+    event log (:class:`router.index_follower.IndexFollower`), as the request router does."""
 
     def __init__(self, policy: str, names: Sequence[str], index: PrefixIndex | None,
                  settings: RouterSettings, *, index_deadline_s: float, seed: int = 0,
                  redis_time: Callable[[], float] | None = None,
-                 local: LocalLookup | None = None) -> None:
+                 local: IndexFollower | None = None) -> None:
         check_policy(policy, index)
         self.policy = policy
         self.names = list(names)

@@ -57,7 +57,6 @@ from bench.round_trip import measure as measure_round_trips
 from bench.sim_router import (
     POLICIES,
     IndexSpec,
-    LocalLookup,
     RouterProcess,
     RouterSpec,
     SimRouter,
@@ -74,6 +73,7 @@ from router.index import (
     ResultCode,
     open_index,
 )
+from router.index_follower import IndexFollower, event_logs
 from router.policy import PolicyConfig
 from router.router_state import RouterSettings
 from workers.engine_types import EngineConfig, RequestOutput
@@ -84,6 +84,7 @@ from workers.sim.engine import SimEngine
 from workers.sim.profiles import SimProfile, profile_for
 
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
+EVENT_LOG = 100_000  # the index's event log with --local-index: a follower never falls behind
 IDLE_HEARTBEAT_S = 5.0  # an idle worker's report interval (the replica's is lease / 3)
 GC_EVERY_EVENTS = 2000  # young generations collected this often (every 100th: all of them)
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
@@ -229,7 +230,8 @@ class Simulator:
         lookups since its last call (read after each prefix decision, outside its timing);
         ``router_process``: run the router in a process of its own, with its own connection
         to this index (and its own Redis timing); ``local_index``: answer the router's lookups
-        from the fleet's own events, in process (:class:`bench.sim_router.LocalLookup`)."""
+        in process, from a follower of the index's event log (open the index with
+        ``IndexSettings.event_log``), caught up before each decision."""
         check_policy(policy, index)  # here too: a router process would only fail at start
         if local_index and router_process is not None:
             raise ValueError("a local index answers a router in the simulator's process only")
@@ -245,7 +247,12 @@ class Simulator:
             weights=weights or PolicyConfig(), **(router or {}))
         names = tuple(w.name for w in self.workers)
         self.router: SimRouter | RouterProcess
-        self.local = LocalLookup() if local_index and self.index is not None else None
+        self.local = None
+        if local_index and self.index is not None:
+            logs = event_logs(self.index)
+            if logs is None:
+                raise ValueError("a local index follows the index's event log: this one has none")
+            self.local = IndexFollower(self.index, logs)
         if router_process is None:
             self.router = SimRouter(policy, names, self.index, settings,
                                     index_deadline_s=INDEX_DEADLINE_S, seed=seed,
@@ -277,8 +284,6 @@ class Simulator:
                 w.name, epoch=1, block_size=w.engine.block_size,
                 fingerprint=w.engine.model_fingerprint, node="sim")
             await self.index.resync(w.worker_id, 1, [], 0)
-            if self.local is not None:
-                self.local.add(w.name, w.worker_id)
             await self._heartbeat(w, 0.0)
 
     async def _heartbeat(self, w: SimWorker, now: float) -> None:
@@ -296,8 +301,6 @@ class Simulator:
             self.index_failures += 1
             w.idle_reported_at = None
             return
-        if self.local is not None:
-            self.local.report(w.name, load)
 
     async def _flush(self, w: SimWorker) -> None:
         """Apply the unpublished events in batches; after a failure, as the publisher does,
@@ -311,16 +314,12 @@ class Simulator:
                 hashes = w.engine.cached_block_hashes()
                 await self.index.resync(w.worker_id, 1, hashes, w.seq)
                 w.dirty = False
-                if self.local is not None:
-                    self.local.index.replace(w.worker_id, hashes)
                 return
             for batch in _batches(events):
                 w.seq += 1
                 result = await self.index.apply(EventBatch(w.worker_id, 1, w.seq, batch))
                 if result is not ResultCode.OK:
                     raise IndexUnavailable(f"apply answered {result.name}")
-                if self.local is not None:
-                    self.local.index.apply(w.worker_id, batch)
         except IndexUnavailable:
             self.index_failures += 1
             w.dirty = w.flush_due = True
@@ -379,6 +378,8 @@ class Simulator:
 
     async def _arrive(self, req: SimRequest, now: float) -> None:
         ongoing = [w.ongoing for w in self.workers]  # Serve's queue lengths
+        if self.local is not None:  # what a follower has read by now, in simulated time
+            await self.local.catch_up()
         worker = self.workers[await self.router.route(req.key, req.tokens, ongoing, now)]
         req.worker = worker.index
         params = SamplingParams(max_tokens=req.output_len, temperature=0.0, ignore_eos=True)
@@ -480,7 +481,8 @@ async def simulate(
     reqs = fresh(requests)
     index = None
     model = f"sim-{policy}-{num_workers}-{time.time_ns()}"
-    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S)
+    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S,
+                             event_log=EVENT_LOG if options.get("local_index") else 0)
     if policy == "prefix":
         assert redis_url is not None, "the prefix policy needs redis_url"
         index = open_index(redis_url, model, deadline_s=INDEX_DEADLINE_S, settings=settings)
@@ -651,9 +653,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "the ingress's, not between the simulated fleet's steps (the same "
                         "decisions; their times without the fleet's cache traffic)")
     parser.add_argument("--local-index", action="store_true",
-                        help="answer the prefix policy's lookups in process, from an index fed "
-                        "by the fleet's own KV events (what a router-local index would cost a "
-                        "decision; Redis still receives every event)")
+                        help="answer the prefix policy's lookups in process, from a follower of "
+                        "the index's event log (IndexSettings.event_log), as the request router "
+                        "does when the log is on; caught up before each decision")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
     if args.local_index and args.router_process:

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from router.blocks import Chain
+from router.blocks import DIGEST_BYTES, Chain
 
 
 class EventDecodeError(ValueError):
@@ -97,6 +97,30 @@ def encode_events(events: Sequence[KVEvent]) -> bytes:
             raise TypeError(f"not a KV event: {event!r}")
         parts.append(op + struct.pack(">I", len(hashes)) + pack_digests(hashes))
     return b"".join(parts)
+
+
+def decode_events(ops: bytes) -> list[KVEvent]:
+    """The events of an op stream (:func:`encode_events`), as a router following the index's
+    event log reads them; :class:`EventDecodeError` for a malformed one."""
+    events: list[KVEvent] = []
+    pos, view = 0, memoryview(ops)
+    while pos < len(ops):
+        if pos + 5 > len(ops):
+            raise EventDecodeError(f"op stream cut short at byte {pos}")
+        op, count = ops[pos : pos + 1], int.from_bytes(view[pos + 1 : pos + 5], "big")
+        start, pos = pos + 5, pos + 5 + count * DIGEST_BYTES
+        if pos > len(ops):
+            raise EventDecodeError(f"op stream cut short at byte {len(ops)}")
+        hashes = tuple(ops[k : k + DIGEST_BYTES] for k in range(start, pos, DIGEST_BYTES))
+        if op == b"S":
+            events.append(BlockStored(hashes))
+        elif op == b"R":
+            events.append(BlockRemoved(hashes))
+        elif op == b"C" and not count:
+            events.append(AllBlocksCleared())
+        else:
+            raise EventDecodeError(f"unknown op {op!r} with {count} digests")
+    return events
 
 
 def _unpack_map(payload: bytes, expected_type: str) -> dict:

@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import importlib
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -28,6 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from router.events import EventBatch, WorkerLoad
 
 REDIS_URL_ENV = "PREFIXSERVE_REDIS_URL"  # where routers and workers find the index by default
+# A block's key in the index: its digest's first 8 bytes (64 bits name 20M blocks with a
+# collision chance near 1e-5, and a collision only misroutes; lua/_key.lua).
+INDEX_KEY_BYTES = 8
 
 # URL scheme -> "module:class" of the store serving it (imported on first use, so a process
 # only loads the client library of the store it uses).
@@ -58,6 +61,13 @@ class IndexSettings(BaseModel):
         "under its own key prefix (one Redis Cluster slot each): workers write to their "
         "group's, lookups ask all at once. More than 1 when one Redis core cannot keep up "
         "with the fleet's KV events (about 400k block events/s)")
+    event_log: int = Field(
+        20_000, ge=0, description="KV event batches, resyncs and predicted entries the index "
+        "keeps in its event log (about this many, the newest) for routers to follow: each "
+        "router then keeps its own copy of the confirmed holders and answers a decision's "
+        "lookup in process, without a round trip (router.index_follower). A router's copy "
+        "costs about 100 bytes per (block, worker) entry: past a few hundred workers set 0, "
+        "which keeps no log, and every decision asks the index")
     connect_timeout_s: float = Field(
         2.0, gt=0.0, description="Time to set up a connection to the index (TCP, TLS, AUTH), "
         "kept out of the call deadlines so that a TLS Redis a few ms away still serves 20 ms "
@@ -136,6 +146,34 @@ class LookupResult:
     # every live worker known, matched or not (shared: do not mutate)
     loads: Mapping[str, WorkerLoad] = field(default_factory=dict)  # replica_id -> latest load
     worker_ids: Mapping[str, int] = field(default_factory=dict)  # replica_id -> worker id
+
+
+@dataclass(frozen=True, slots=True)
+class LogEntry:
+    """One entry of a store's event log (``IndexSettings.event_log``)."""
+
+    entry_id: bytes  # the store's id of the entry: read on after it
+    number: int  # from 1, without a gap: a jump means the log was trimmed past the reader
+    worker_id: int  # in the store (a group's own id under sharding)
+    kind: bytes  # O: a batch's op stream, Z: a resync's whole set, D: dead, P: predicted
+    data: bytes
+
+
+@runtime_checkable
+class EventLog(Protocol):
+    """A store whose event log a router can follow (:mod:`router.index_follower`)."""
+
+    async def log_head(self) -> tuple[bytes, int | None]:
+        """The newest entry's id and number; (``b"0-0"``, None) when the log is empty."""
+        ...
+
+    async def read_log(self, after: bytes, *, count: int, wait_s: float) -> list[LogEntry]:
+        """Entries past ``after``, oldest first, waiting up to ``wait_s`` for one."""
+        ...
+
+    def scan_holders(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        """Every block's key and its holders' 2-byte ids."""
+        ...
 
 
 class PrefixIndex(Protocol):

@@ -3,8 +3,10 @@ confirmed part of a lookup without a round trip to the index.
 
 On a shared 2-vCPU host a decision's round trip to Redis (its wake-up latency, and Redis' own
 time while events flow) is more than half of a routing decision's p99; answered in process, the
-walk costs about 0.1 ms. This holds the confirmed holders only: what the workers' events say.
-Leases, loads and predictions stay with the index (:mod:`router.redis_index`).
+walk costs about 0.1 ms. :class:`LocalIndex` holds the confirmed holders, what the workers'
+events say; :class:`PredictedBlocks` the routers' predicted entries while they last. Both key a
+block by its digest's first ``INDEX_KEY_BYTES``, as the index does, so a follower can start
+from the index's own blocks (:mod:`router.index_follower` keeps them up to date).
 
 Each block maps to a bitmask of worker slots, so a chain's walk intersects one integer per
 block it reads. A worker caches a block only after the blocks before it and evicts a chain's
@@ -14,18 +16,22 @@ of unchanged holders and binary-searches the block where the next worker leaves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, KeysView, Mapping
 
 from router.blocks import DIGEST_BYTES, BlockHash, Chain
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from router.index import INDEX_KEY_BYTES
+
+KEY = INDEX_KEY_BYTES
 
 
 class LocalIndex:
     """Confirmed block holders, as the KV events of each worker (by index worker id) say."""
 
     def __init__(self) -> None:
-        self._holders: dict[BlockHash, int] = {}  # block digest -> bitmask of worker slots
-        self._blocks: dict[int, set[BlockHash]] = {}  # worker id -> its blocks
+        self._holders: dict[bytes, int] = {}  # block key -> bitmask of worker slots
+        self._blocks: dict[int, set[bytes]] = {}  # worker id -> its blocks' keys
         self._slots: dict[int, int] = {}  # worker id -> its bit's position
         self._ids: dict[int, int] = {}  # bit position -> worker id
         self._free: list[int] = []  # positions of dropped workers, reused first
@@ -40,8 +46,8 @@ class LocalIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._remove(worker_id, tuple(self._blocks.get(worker_id, ())))
 
-    def replace(self, worker_id: int, hashes: Iterable[BlockHash]) -> None:
-        """The worker's whole block set, as a resync states it."""
+    def replace(self, worker_id: int, hashes: Iterable[bytes]) -> None:
+        """The worker's whole block set, as a resync states it (digests, or their keys)."""
         self.drop(worker_id)
         self._store(worker_id, tuple(hashes))
 
@@ -54,13 +60,17 @@ class LocalIndex:
         del self._ids[slot]
         self._free.append(slot)
 
+    def workers(self) -> KeysView[int]:
+        """The ids of the workers holding something."""
+        return self._slots.keys()
+
     def depths(self, chain: Chain) -> dict[int, int]:
         """Each worker's consecutive confirmed depth of ``chain`` from block 0 (blocks), for
         the workers holding block 0."""
         packed, get = chain.packed, self._holders.get
 
         def holders(j: int) -> int:
-            return get(packed[j * DIGEST_BYTES : (j + 1) * DIGEST_BYTES], 0)
+            return get(packed[j * DIGEST_BYTES : j * DIGEST_BYTES + KEY], 0)
 
         n = len(packed) // DIGEST_BYTES
         alive = holders(0)  # an empty chain: b"", no block
@@ -103,22 +113,23 @@ class LocalIndex:
             self._slots[worker_id], self._ids[slot] = slot, worker_id
         return 1 << slot
 
-    def _store(self, worker_id: int, hashes: tuple[BlockHash, ...]) -> None:
+    def _store(self, worker_id: int, hashes: tuple[bytes, ...]) -> None:
         bit, holders = self._bit(worker_id), self._holders
         held = self._blocks.setdefault(worker_id, set())
         for h in hashes:
-            holders[h] = holders.get(h, 0) | bit
-            held.add(h)
+            k = h[:KEY]
+            holders[k] = holders.get(k, 0) | bit
+            held.add(k)
 
-    def _remove(self, worker_id: int, hashes: tuple[BlockHash, ...]) -> None:
+    def _remove(self, worker_id: int, hashes: tuple[bytes, ...]) -> None:
         held = self._blocks.get(worker_id)
         if not held:  # nothing stored yet (a worker's blocks and slot come together)
             return
-        gone = [h for h in hashes if h in held]
+        gone = [k for h in hashes if (k := h[:KEY]) in held]
         held.difference_update(gone)
         self._unset(1 << self._slots[worker_id], gone)
 
-    def _unset(self, bit: int, hashes: Iterable[BlockHash]) -> None:
+    def _unset(self, bit: int, hashes: Iterable[bytes]) -> None:
         holders = self._holders
         for h in hashes:
             rest = holders[h] & ~bit
@@ -126,3 +137,60 @@ class LocalIndex:
                 holders[h] = rest
             else:
                 del holders[h]
+
+
+class PredictedBlocks:
+    """Routers' predicted entries (a chain's blocks routed to a worker, for a short while) as a
+    follower of the index's event log receives them: the blocks past the worker's confirmed
+    depth, keyed as :class:`LocalIndex` keys them, each expiring ``ttl`` after it arrived."""
+
+    def __init__(self) -> None:
+        self._until: dict[bytes, dict[int, float]] = {}  # block key -> worker id -> expiry
+        self._expiry: deque[tuple[float, int, tuple[bytes, ...]]] = deque()  # arrival order
+
+    def add(self, worker_id: int, hashes: Iterable[BlockHash], until: float) -> None:
+        """``hashes`` routed to the worker, predicted there until ``until``."""
+        keys = tuple(h[:KEY] for h in hashes)
+        for k in keys:
+            self._until.setdefault(k, {})[worker_id] = until
+        self._expiry.append((until, worker_id, keys))
+
+    def depths(self, chain: Chain, confirmed: Mapping[int, int], now: float) -> dict[int, int]:
+        """Each worker's depth of ``chain`` that its confirmed blocks (``confirmed``: worker id
+        -> depth) and its unexpired predicted ones make together, where predictions take it
+        past its confirmed depth."""
+        self._expire(now)
+        if not self._until:
+            return {}
+        packed, get = chain.packed, self._until.get
+        n = len(packed) // DIGEST_BYTES
+
+        def at(j: int) -> dict[int, float]:
+            return get(packed[j * DIGEST_BYTES : j * DIGEST_BYTES + KEY], _NONE)
+
+        out: dict[int, int] = {}
+        for start in {0, *confirmed.values()}:
+            if start >= n:
+                continue
+            for worker_id, until in at(start).items():
+                if until <= now or confirmed.get(worker_id, 0) != start:
+                    continue
+                j = start + 1
+                while j < n and at(j).get(worker_id, 0.0) > now:
+                    j += 1
+                out[worker_id] = j
+        return out
+
+    def _expire(self, now: float) -> None:
+        expiry, until = self._expiry, self._until
+        while expiry and expiry[0][0] <= now:
+            when, worker_id, keys = expiry.popleft()
+            for k in keys:
+                holders = until.get(k)
+                if holders is not None and holders.get(worker_id) == when:
+                    del holders[worker_id]
+                    if not holders:
+                        del until[k]
+
+
+_NONE: dict[int, float] = {}

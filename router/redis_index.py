@@ -55,7 +55,7 @@ import logging
 import re
 import struct
 import time
-from collections.abc import Iterable, KeysView, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, KeysView, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -78,8 +78,10 @@ from router.events import (
     pack_digests,
 )
 from router.index import (
+    INDEX_KEY_BYTES,
     IndexSettings,
     IndexUnavailable,
+    LogEntry,
     LookupResult,
     ResultCode,
     WorkerInfo,
@@ -93,7 +95,6 @@ log = logging.getLogger(__name__)
 _TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
-INDEX_KEY_BYTES = 8  # of a digest, in the block hash and reverse indexes (lua/_key.lua)
 _RIDE = struct.Struct(">HI")  # lookup reply per rider: id, predicted depth
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # A tail's samples: a chain that leaves the routed one between two samples is credited up to
@@ -190,12 +191,14 @@ class RedisPrefixIndex:
         self.lease_ttl_s = self.lease_ttl_ms / 1000
         self.predict_ttl_ms = max(1, int(settings.predict_ttl_s * 1000))
         self.predict_exact_blocks = settings.predict_exact_blocks
+        self.event_log = settings.event_log
         self._url = url
         self._redis = connect(url, self.admin_deadline_s, settings.connect_timeout_s)
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
         self._k_lv, self._k_tails, self._k_lz = p + "lv", p + "T", p + "lz"
+        self._k_blocks, self._k_log = p + "B", p + "E"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -218,34 +221,40 @@ class RedisPrefixIndex:
     async def _eval(
         self, name: str, keys: list[str], args: list[Any], deadline_s: float | None = None
     ) -> Any:
-        """Run script ``name`` within the deadline (default: ``deadline_s``), connection setup
-        not counted (3.11+; on 3.10 the setup counts, but outlives a call that gives up)."""
+        """Run script ``name`` within the deadline (default: ``deadline_s``)."""
+        script = self._scripts[name]
+        return await self._call(lambda: script(keys=keys, args=args), deadline_s)
+
+    async def _call(
+        self, command: Callable[[], Awaitable[Any]], deadline_s: float | None = None
+    ) -> Any:
+        """Run ``command`` within the deadline (default: ``deadline_s``), connection setup not
+        counted (3.11+; on 3.10 the setup counts, but outlives a call that gives up)."""
         deadline = self.deadline_s if deadline_s is None else deadline_s
         try:
             if _HAS_TIMEOUT:  # no extra task per call, unlike wait_for before 3.12
                 async with asyncio.timeout(deadline) as timeout:
                     token = CALL_DEADLINE.set((timeout, deadline))
                     try:
-                        return await self._attempt(name, keys, args)
+                        return await self._attempt(command)
                     finally:
                         CALL_DEADLINE.reset(token)
-            return await asyncio.wait_for(self._attempt(name, keys, args), deadline)
+            return await asyncio.wait_for(self._attempt(command), deadline)
         except asyncio.TimeoutError:
             msg = f"redis did not answer within {deadline * 1000:.0f} ms"
             raise IndexUnavailable(msg) from None
         except (RedisError, OSError) as exc:
             raise unavailable(exc, self._url) from exc
 
-    async def _attempt(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        script = self._scripts[name]
+    async def _attempt(self, command: Callable[[], Awaitable[Any]]) -> Any:
         try:
-            return await script(keys=keys, args=args)
+            return await command()
         except ConnectionError as exc:
             if isinstance(exc, AuthenticationError):
                 raise
             # A pooled connection died (a Redis restart): once more, on a fresh one. Every
-            # script is idempotent, and the caller's deadline still bounds the total.
-            return await script(keys=keys, args=args)
+            # script and read is idempotent, and the caller's deadline still bounds the total.
+            return await command()
 
     def _w(self, worker_id: int) -> str:
         return f"{self._prefix}w:{worker_id}"
@@ -310,7 +319,7 @@ class RedisPrefixIndex:
     async def apply(self, batch: EventBatch) -> ResultCode:
         keys = [self._w(batch.worker_id), self._r(batch.worker_id)]
         args = [self._prefix, batch.worker_id, batch.epoch, batch.seq,
-                encode_events(batch.events)]
+                encode_events(batch.events), self.event_log]
         code = await self._eval("apply", keys, args)
         what = f"apply of worker {batch.worker_id} epoch {batch.epoch} seq {batch.seq}"
         return expect(code, what, ResultCode.OK, ResultCode.STALE_EPOCH, ResultCode.RESYNC_NEEDED)
@@ -335,9 +344,8 @@ class RedisPrefixIndex:
                     packed_new[start : start + step]]
             code = await self._eval("resync_chunk", keys, args, self.admin_deadline_s)
             expect(code, what)
-        code = await self._eval(
-            "resync_commit", keys, [epoch, seq, packed_new], self.admin_deadline_s
-        )
+        args = [epoch, seq, packed_new, self._prefix, worker_id, self.event_log]
+        code = await self._eval("resync_commit", keys, args, self.admin_deadline_s)
         expect(code, what)
 
     # -- routing --------------------------------------------------------------------------
@@ -415,8 +423,47 @@ class RedisPrefixIndex:
         exact = pack_digests(chain[from_block:end])
         if exact:
             args = [self._prefix, worker_id, self.predict_ttl_ms, exact,
-                    tail_record(chain, from_block, end), _MAX_TAILS]
+                    tail_record(chain, from_block, end), _MAX_TAILS, self.event_log]
             await self._eval("predict", [self._k_live, self._k_tails], args)
+
+    # -- the event log (lua/_log.lua), for routers that follow it --------------------------
+
+    async def log_head(self) -> tuple[bytes, int | None]:
+        """The newest entry of the event log: its id and number; (``b"0-0"``, None) for none."""
+        entries = await self._call(lambda: self._redis.xrevrange(self._k_log, count=1),
+                                   self.admin_deadline_s)
+        if not entries:
+            return b"0-0", None
+        entry_id, values = entries[0]
+        return entry_id, int(values[b"n"])
+
+    async def read_log(self, after: bytes, *, count: int, wait_s: float) -> list[LogEntry]:
+        """At most ``count`` entries of the event log past entry ``after``, oldest first,
+        waiting up to ``wait_s`` for the first one (0: not at all; an empty list: none
+        came)."""
+        wait_ms = max(1, int(wait_s * 1000)) if wait_s > 0 else None  # XREAD BLOCK 0: forever
+        reply = await self._call(
+            lambda: self._redis.xread({self._k_log: after}, count=count, block=wait_ms),
+            wait_s + self.admin_deadline_s)
+        out = []
+        for _, entries in reply or ():
+            for entry_id, v in entries:
+                out.append(LogEntry(entry_id, int(v[b"n"]), int(v[b"w"]), v[b"k"], v[b"d"]))
+        return out
+
+    async def scan_holders(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        """Every block of the index as (its key, its holders' 2-byte ids), in chunks: a
+        follower's starting point, read while events flow (the log's entries since then
+        settle what changed meanwhile)."""
+        cursor: int = 0
+        while True:
+            cursor, chunk = await self._call(
+                lambda c=cursor: self._redis.hscan(self._k_blocks, c, count=4096),
+                self.admin_deadline_s)
+            for key, ids in chunk.items():
+                yield key, ids
+            if not cursor:
+                return
 
     # -- garbage collection ----------------------------------------------------------------
 
@@ -430,7 +477,7 @@ class RedisPrefixIndex:
         keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv,
                 self._k_lz]
         return await self._eval(
-            "gc_mark", keys, [self._prefix, only_id], self.admin_deadline_s
+            "gc_mark", keys, [self._prefix, only_id, self.event_log], self.admin_deadline_s
         )
 
     async def _collect(self, worker_id: int) -> int:

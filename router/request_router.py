@@ -5,9 +5,10 @@ router event loop. Per request it:
 
 1. hashes the prompt's block chain once (``router.blocks``, namespace = model fingerprint +
    the request's ``cache_salt``), from ``pending_request.args[0]``, a ``GenerateRequest``;
-2. looks the chain up in the prefix index within ``lookup_deadline_s`` (fail-open: when the
-   index is slow, down or unset it ranks by load alone, and stops asking for
-   ``failopen_backoff_s``);
+2. looks the chain up: in process, from this router's copy of the index, while it follows the
+   index's event log (``IndexSettings.event_log``, :mod:`router.index_follower`); else in the
+   prefix index within ``lookup_deadline_s`` (fail-open: when the index is slow, down or unset
+   it ranks by load alone, and stops asking for ``failopen_backoff_s``);
 3. ranks the candidate replicas with the pure ``router.policy``, using engine-reported loads from
    the index (all routers see the same), corrected by what this router sent since each load was
    reported, with Serve's queue lengths and the replicas' routing stats as the fallback;
@@ -43,6 +44,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
+import ray
 from ray.util import metrics
 
 from router.blocks import Chain
@@ -54,6 +56,7 @@ from router.index import (
     open_index,
     within,
 )
+from router.index_follower import IndexFollower, event_logs
 from router.request import GenerateRequest
 from router.router_state import Candidate, Prediction, RouterSettings, RouterState
 from router.secret_refs import SecretNotFound, resolve
@@ -106,6 +109,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         self._state = RouterState(RouterSettings.model_validate(settings or {}),
                                   self._index_settings)
         self._index: PrefixIndex | None = None
+        self._follower: IndexFollower | None = None
         self._background: set[asyncio.Task] = set()
         self._check_task: asyncio.Task | None = None
 
@@ -130,6 +134,12 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             "matched prefix, by reason (cost: the ranking preferred a less loaded one; serve: "
             "Serve sent it past the first choice).",
             tag_keys=(*keys, "reason"),
+        ).set_default_tags(tags)
+        self._lookups = metrics.Counter(
+            "prefixserve_router_lookups",
+            description="Index lookups by where they were answered: local (this router's copy, "
+            "following the index's event log) or index (a round trip).",
+            tag_keys=(*keys, "source"),
         ).set_default_tags(tags)
         self._failopen = metrics.Counter(
             "prefixserve_router_index_failopen",
@@ -233,6 +243,10 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
                 deadline_s=settings.lookup_deadline_s,
                 settings=self._index_settings,
             )
+            logs = event_logs(self._index) if self._index_settings.event_log else None
+            if logs is not None:
+                self._follower = IndexFollower(self._index, logs)
+                self._spawn(_follow_while_ray_runs(self._follower))
         return self._index
 
     def _fail_open(self, reason: str) -> None:
@@ -251,6 +265,13 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         if reason is not None:
             self._fail_open(reason)
             return None
+        follower = self._follower
+        if follower is not None and follower.ready:
+            result = follower.lookup(chain)
+            self._lookups.inc(tags={"source": "local"})
+            state.looked_up(result)
+            return result
+        self._lookups.inc(tags={"source": "index"})
         try:
             result = await within(index.lookup(chain), 4 * state.settings.lookup_deadline_s)
         except (asyncio.TimeoutError, TimeoutError):
@@ -303,6 +324,19 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             self._state.check_postponed(now)
             return
         self._state.check_workers(workers, self._candidates(replicas), now)
+
+
+async def _follow_while_ray_runs(follower: IndexFollower) -> None:
+    """Follow the index while this process is connected to Ray. A handle's router outlives its
+    Serve app where the handle is kept (a test module, a notebook): once Ray is shut down, its
+    loop must go quiet (a follower's work there outlived Ray and made Ray's core worker end
+    the process)."""
+    task = asyncio.ensure_future(follower.run())
+    try:
+        while not task.done() and ray.is_initialized():
+            await asyncio.wait({task}, timeout=1.0)
+    finally:
+        task.cancel()
 
 
 def _log_failure(task: asyncio.Task) -> None:

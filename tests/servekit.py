@@ -60,3 +60,11 @@ def replica_logs(app: str, deployment: str) -> str:
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
     return "".join(p.read_text(errors="replace")
                    for p in sorted(logs.glob(f"replica_{app}_{deployment}_*.log")))
+
+
+def request_router(handle: Any, timeout_s: float = 30.0) -> Any:
+    """The request router inside ``handle`` (in this process), once Serve has made it: tests
+    look at what it holds. Reaches into Serve's handle internals, which tests alone need."""
+    asyncio_router = handle._router._asyncio_router
+    assert wait_for(lambda: asyncio_router.request_router is not None, timeout_s)
+    return asyncio_router.request_router

@@ -20,6 +20,7 @@ from router.events import (
     BlockStored,
     EventDecodeError,
     WorkerLoad,
+    decode_events,
     decode_load,
     encode_events,
     encode_load,
@@ -101,6 +102,25 @@ def test_event_op_stream_layout() -> None:
     assert encode_events([BlockStored(())]) == b"S\x00\x00\x00\x00"
     many = tuple(hash_chain(list(range(16 * 300)), 16, NS))
     assert encode_events([BlockRemoved(many)])[:5] == b"R\x00\x00\x01\x2c"  # 300
+
+
+def test_an_op_stream_decodes_to_its_events() -> None:
+    h = hash_chain(list(range(16 * 40)), 16, NS)
+    events = [BlockStored(tuple(h[:30])), AllBlocksCleared(), BlockRemoved((h[3], h[1])),
+              BlockStored(()), BlockStored((h[39],))]
+    assert decode_events(encode_events(events)) == events
+    assert decode_events(b"") == []
+
+
+@pytest.mark.parametrize("ops", [
+    b"S\x00\x00\x00\x02" + b"x" * 31,  # one byte short of two digests
+    b"S\x00\x00",  # a header cut short
+    b"X\x00\x00\x00\x00",  # no such op
+    b"C\x00\x00\x00\x01" + b"x" * 16,  # a clear names no blocks
+])
+def test_a_malformed_op_stream_is_refused(ops: bytes) -> None:
+    with pytest.raises(EventDecodeError):
+        decode_events(ops)
 
 
 @pytest.mark.parametrize("hashes", [(b"short",), (b"x" * 15, b"y" * 17), (b"",), (b"z" * 17,)])

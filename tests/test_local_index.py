@@ -6,75 +6,14 @@ from __future__ import annotations
 import random
 
 import pytest
+from fleetkit import Fleet, digests, reference
 
 from cluster.local_redis import LocalRedis
-from router.blocks import DIGEST_BYTES, Chain
+from router.blocks import Chain
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.index import IndexSettings, ResultCode
-from router.local_index import LocalIndex
+from router.local_index import LocalIndex, PredictedBlocks
 from router.redis_index import RedisPrefixIndex
-
-
-def digests(rng: random.Random, n: int) -> list[bytes]:
-    return [rng.randbytes(DIGEST_BYTES) for _ in range(n)]
-
-
-def reference(held: dict[int, set[bytes]], chain: list[bytes]) -> dict[int, int]:
-    """Each worker's consecutive run of ``chain`` from block 0, block by block."""
-    out = {}
-    for worker, blocks in held.items():
-        depth = 0
-        while depth < len(chain) and chain[depth] in blocks:
-            depth += 1
-        if depth:
-            out[worker] = depth
-    return out
-
-
-class Fleet:
-    """Workers caching prefixes of a few shared chains as an engine does: a block only after
-    the ones before it, a chain's tail evicted first. Every change goes to the index under test
-    as events and to ``held`` as sets."""
-
-    def __init__(self, rng: random.Random, workers: int, chains: int, length: int) -> None:
-        self.rng = rng
-        self.chains = [digests(rng, length) for _ in range(chains)]
-        # a chain's later blocks fork: some chains share their first blocks with chain 0
-        for chain in self.chains[1:]:
-            cut = rng.randrange(length)
-            chain[:cut] = self.chains[0][:cut]
-        self.held: dict[int, set[bytes]] = {w: set() for w in range(1, workers + 1)}
-        self.depth = {(w, c): 0 for w in self.held for c in range(chains)}
-
-    def step(self) -> tuple[int, list]:
-        """One worker's random change: cache more of a chain, evict its tail, or clear all."""
-        w = self.rng.choice(list(self.held))
-        c = self.rng.randrange(len(self.chains))
-        chain, depth, roll = self.chains[c], self.depth[w, c], self.rng.random()
-        if roll < 0.05:
-            self.held[w].clear()
-            for key in self.depth:
-                if key[0] == w:
-                    self.depth[key] = 0
-            return w, [AllBlocksCleared()]
-        if roll < 0.65:
-            new = min(len(chain), depth + self.rng.randint(1, 12))
-            stored = tuple(chain[depth:new])
-            self.held[w].update(stored)
-            self.depth[w, c] = new
-            return w, [BlockStored(stored)] if stored else []
-        cut = self.rng.randint(0, depth)
-        # a block another held chain of this worker still needs stays (shared prefixes)
-        keep = {b for (ww, cc), d in self.depth.items() if ww == w and cc != c
-                for b in self.chains[cc][:d]}
-        removed = tuple(b for b in chain[cut:depth] if b not in keep)
-        self.held[w].difference_update(removed)
-        self.depth[w, c] = cut
-        return w, [BlockRemoved(removed)] if removed else []
-
-    def query(self) -> list[bytes]:
-        chain = self.rng.choice(self.chains)
-        return chain[: self.rng.randint(0, len(chain))]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -131,6 +70,36 @@ def test_replace_states_a_worker_s_whole_set() -> None:
     index.replace(4, b[:8])
     assert index.depths(Chain.of(a)) == {5: 3}
     assert index.depths(Chain.of(b)) == {4: 8}
+
+
+def test_blocks_are_known_by_their_first_eight_bytes_as_in_the_index() -> None:
+    rng = random.Random(4)
+    chain = digests(rng, 6)
+    index = LocalIndex()
+    index.replace(1, [h[:8] for h in chain[:4]])  # a resync states keys, not digests
+    index.apply(2, [BlockStored(tuple(chain[:2]))])
+    assert index.depths(Chain.of(chain)) == {1: 4, 2: 2}
+    twin = chain[0][:8] + bytes(8)  # another digest with the same key: the same block
+    assert index.depths(Chain.of([twin])) == {1: 1, 2: 1}
+    index.apply(2, [BlockRemoved((chain[1][:8] + b"-" * 8,))])
+    assert index.depths(Chain.of(chain)) == {1: 4, 2: 1}
+
+
+def test_predictions_carry_a_worker_past_its_confirmed_depth_until_they_expire() -> None:
+    rng = random.Random(5)
+    chain = digests(rng, 20)
+    predicted = PredictedBlocks()
+    predicted.add(1, chain[5:12], until=10.0)  # past its 5 confirmed blocks
+    predicted.add(2, chain[:3], until=20.0)  # from block 0
+    predicted.add(3, chain[8:15], until=10.0)  # past block 8, but it holds only 2
+    whole = Chain.of(chain)
+    assert predicted.depths(whole, {1: 5, 3: 2}, now=1.0) == {1: 12, 2: 3}
+    assert predicted.depths(Chain.of(chain[:9]), {1: 5}, now=1.0) == {1: 9, 2: 3}
+    assert predicted.depths(whole, {1: 5, 2: 3}, now=1.0) == {1: 12}  # nothing past 3
+    predicted.add(2, chain[:3], until=30.0)  # renewed: its first expiry leaves it be
+    assert predicted.depths(whole, {}, now=20.0) == {2: 3}
+    assert predicted.depths(whole, {}, now=30.0) == {}
+    assert predicted.depths(whole, {1: 5}, now=30.0) == {}
 
 
 @pytest.mark.cluster

@@ -16,7 +16,7 @@ from collections import Counter
 import pytest
 import ray
 from ray import serve
-from servekit import wait_for
+from servekit import request_router, wait_for
 
 from cluster.app import request_router_config
 from cluster.local_redis import LocalRedis
@@ -40,8 +40,15 @@ _ids = iter(range(10**9))
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 
+# Both ways a router looks a chain up: a round trip to the index per decision, and its own copy
+# of the index kept by following the index's event log.
+@pytest.fixture(scope="module", params=[0, 4096], ids=["index-lookups", "follower"])
+def event_log(request: pytest.FixtureRequest) -> int:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def handle(redis_server: LocalRedis):
+def handle(redis_server: LocalRedis, event_log: int):
     model_path = str(ensure_builtin_model())
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
@@ -54,12 +61,12 @@ def handle(redis_server: LocalRedis):
             num_gpus=0,
             max_ongoing_requests=MAX_ONGOING,
             request_router_config=request_router_config(
-                "prefix", redis_server.url, router, IndexSettings(predict_ttl_s=1.0),
-                stats_period_s=1.0),
+                "prefix", redis_server.url, router,
+                IndexSettings(predict_ttl_s=1.0, event_log=event_log), stats_period_s=1.0),
         )
         app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1,
-                              drain_timeout_s=5.0,
-                              heartbeat_interval_s=0.2)
+                              drain_timeout_s=5.0, heartbeat_interval_s=0.2,
+                              index={"event_log": event_log})
         yield serve.run(app, name="routing", route_prefix=None)
     finally:
         serve.shutdown()
@@ -162,6 +169,36 @@ def test_shared_prefix_goes_to_the_same_worker_and_hits_its_cache(handle, redis_
     third = run(handle, p + suffix())
     assert third[-1].worker == worker
     assert third[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+
+
+def test_with_the_event_log_on_the_router_answers_lookups_from_its_own_copy(
+    handle, event_log
+) -> None:
+    router = request_router(handle)
+    follower = router._follower
+    if not event_log:
+        assert follower is None
+        return
+    assert wait_for(lambda: follower.ready, 10)
+    answered, lookup = [], follower.lookup
+
+    def counted(chain):
+        result = lookup(chain)
+        answered.append(result)
+        return result
+
+    follower.lookup = counted
+    try:
+        p = prefix(2)
+        first = run(handle, p + suffix())
+        second = run(handle, p + suffix())
+    finally:
+        del follower.lookup
+    assert len(answered) >= 2
+    worker = first[-1].worker
+    assert second[-1].worker == worker and second[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+    # the second decision saw the first one's prefix on that worker (predicted, or stored)
+    assert answered[-1].matches[worker].predicted_depth >= PREFIX_BLOCKS
 
 
 def test_the_prefix_holder_wins_over_the_hash_tie_break(handle, redis_server) -> None:

@@ -1,9 +1,10 @@
--- KEYS: w, r   ARGV: pfx, id, epoch, seq, ops
+-- KEYS: w, r   ARGV: pfx, id, epoch, seq, ops, log (the event log's cap, _log.lua)
 -- ops: router.events.encode_events' op stream, records of
 --      op (1 byte: S stored, R removed, C cleared) | u32 BE count | count x 16-byte digests
 -- -> OK (applied, or a duplicate seq), STALE_EPOCH or RESYNC_NEEDED
 --#include _blocks.lua
 --#include _codes.lua
+--#include _log.lua
 local st = redis.pcall('HMGET', KEYS[1], 'epoch', 'seq', 'gc', 'n')
 if st.err or not st[1] or st[3] or not tonumber(st[1]) then return RESYNC_NEEDED end
 local ep, epoch = tonumber(st[1]), tonumber(ARGV[3])
@@ -42,4 +43,5 @@ if redis.call('STRLEN', rkey) / KEY > 2 * n + 1024 then
   n = #keep
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'n', n)
+if #ops > 0 then log_event(ARGV[1], ARGV[6], ARGV[2], 'O', ops) end
 return OK

@@ -1,10 +1,12 @@
--- KEYS: live, tails   ARGV: pfx, id, ttl_ms, exact, tail, max_tails   -> blocks written one key each
+-- KEYS: live, tails   ARGV: pfx, id, ttl_ms, exact, tail, max_tails, log
+--   -> blocks written one key each
 -- exact: the first blocks past the worker's confirmed depth (16-byte digests), one key each:
 --   P.."q"..digest holds records of 2-byte id + 13-digit expiry (ms, Redis clock), PX the latest.
 -- tail: '' or the sampled rest of a longer chain (_tails.lua's record less its expiry); the
 --   worker keeps its max_tails newest unexpired tails (a repeat replaces its older copy).
 --#include _now.lua
 --#include _tails.lua
+--#include _log.lua
 local pfx, code, chain = ARGV[1], struct.pack('>H', tonumber(ARGV[2])), ARGV[4]
 local ttl = tonumber(ARGV[3])
 local exp = now + ttl
@@ -48,4 +50,5 @@ if ARGV[5] ~= '' then
   redis.call('HSET', tkey, code, table.concat(parts))
   if redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
 end
+log_event(pfx, ARGV[7], ARGV[2], 'P', struct.pack('>I4', ttl) .. chain)
 return n
