@@ -147,12 +147,15 @@ async def open_model(url: str, name: str, raw_of: Callable[[str], redis.Redis], 
                      shards: int = 1, event_log: int = 0) -> Model:
     """Register ``workers`` replicas of ``name`` (leases long enough for the whole run);
     ``raw_of(tag)`` is the plain client of the shard holding a key prefix's slot;
-    ``event_log``: the index's event log (0: none, as a fleet this size runs)."""
-    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0, shards=shards,
-                             event_log=event_log)
+    ``event_log``: keep the index's event log this long, as routers following it ask (0: no
+    log, as a fleet this size runs)."""
+    settings = IndexSettings(lease_ttl_s=7200, admin_deadline_s=60.0, shards=shards)
     index = open_index(url, name, deadline_s=30.0, settings=settings)
     stores = index.stores if isinstance(index, ShardedPrefixIndex) else [index]
     assert all(isinstance(s, RedisPrefixIndex) for s in stores)
+    if event_log:
+        for store in stores:
+            await store.keep_log(event_log)
     parts = [(s, raw_of(s.tag)) for s in stores]
     ids = [await index.register(f"{name}-gpu-{i}", epoch=1, block_size=BLOCK_SIZE,
                                 fingerprint="llama-3-8b", node=f"node-{i // 8}")
@@ -593,8 +596,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--apply-seconds", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--event-log", type=int, default=0,
-                   help="single mode: the index's event log (IndexSettings.event_log); 0 keeps "
-                   "none, as a fleet of 1,000 workers runs (its routers ask the index)")
+                   help="single mode: keep the index's event log this long, as routers that "
+                   "follow it ask (IndexSettings.event_log); 0 keeps none, as a fleet of 1,000 "
+                   "workers runs (its routers ask the index)")
     p.add_argument("--only-lookups", action="store_true",
                    help="single mode: fill, memory and lookups without background traffic")
     p.add_argument("--json", type=Path, help="write the results here too")

@@ -84,7 +84,7 @@ from workers.sim.engine import SimEngine
 from workers.sim.profiles import SimProfile, profile_for
 
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
-EVENT_LOG = 100_000  # the index's event log with --local-index: a follower never falls behind
+EVENT_LOG = 100_000  # the index's event log with --local-index: its follower never falls behind
 IDLE_HEARTBEAT_S = 5.0  # an idle worker's report interval (the replica's is lease / 3)
 GC_EVERY_EVENTS = 2000  # young generations collected this often (every 100th: all of them)
 INDEX_DEADLINE_S = 2.0  # generous: a busy simulator must not fail open where a router would not
@@ -230,8 +230,8 @@ class Simulator:
         lookups since its last call (read after each prefix decision, outside its timing);
         ``router_process``: run the router in a process of its own, with its own connection
         to this index (and its own Redis timing); ``local_index``: answer the router's lookups
-        in process, from a follower of the index's event log (open the index with
-        ``IndexSettings.event_log``), caught up before each decision."""
+        in process, from a follower of the index's event log, caught up before each
+        decision."""
         check_policy(policy, index)  # here too: a router process would only fail at start
         if local_index and router_process is not None:
             raise ValueError("a local index answers a router in the simulator's process only")
@@ -252,7 +252,7 @@ class Simulator:
             logs = event_logs(self.index)
             if logs is None:
                 raise ValueError("a local index follows the index's event log: this one has none")
-            self.local = IndexFollower(self.index, logs)
+            self.local = IndexFollower(self.index, logs, log_entries=EVENT_LOG)
         if router_process is None:
             self.router = SimRouter(policy, names, self.index, settings,
                                     index_deadline_s=INDEX_DEADLINE_S, seed=seed,
@@ -481,8 +481,7 @@ async def simulate(
     reqs = fresh(requests)
     index = None
     model = f"sim-{policy}-{num_workers}-{time.time_ns()}"
-    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S,
-                             event_log=EVENT_LOG if options.get("local_index") else 0)
+    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S)
     if policy == "prefix":
         assert redis_url is not None, "the prefix policy needs redis_url"
         index = open_index(redis_url, model, deadline_s=INDEX_DEADLINE_S, settings=settings)

@@ -62,12 +62,12 @@ class IndexSettings(BaseModel):
         "group's, lookups ask all at once. More than 1 when one Redis core cannot keep up "
         "with the fleet's KV events (about 400k block events/s)")
     event_log: int = Field(
-        20_000, ge=0, description="KV event batches, resyncs and predicted entries the index "
-        "keeps in its event log (about this many, the newest) for routers to follow: each "
-        "router then keeps its own copy of the confirmed holders and answers a decision's "
-        "lookup in process, without a round trip (router.index_follower). A router's copy "
-        "costs about 100 bytes per (block, worker) entry: past a few hundred workers set 0, "
-        "which keeps no log, and every decision asks the index")
+        20_000, ge=0, description="Routers follow the index's event log, which the index then "
+        "keeps about this long (KV event batches, resyncs, predicted entries), and keep their "
+        "own copy of the index: a decision's lookup is answered in process, without a round "
+        "trip (router.index_follower). A router's copy costs about 200 bytes per (block, "
+        "worker) entry: past a few hundred workers set 0, no copy, and every decision asks "
+        "the index")
     connect_timeout_s: float = Field(
         2.0, gt=0.0, description="Time to set up a connection to the index (TCP, TLS, AUTH), "
         "kept out of the call deadlines so that a TLS Redis a few ms away still serves 20 ms "
@@ -163,8 +163,13 @@ class LogEntry:
 class EventLog(Protocol):
     """A store whose event log a router can follow (:mod:`router.index_follower`)."""
 
-    async def log_head(self) -> tuple[bytes, int | None]:
-        """The newest entry's id and number; (``b"0-0"``, None) when the log is empty."""
+    async def keep_log(self, entries: int) -> None:
+        """Have the store keep its event log, about ``entries`` long, from now on."""
+        ...
+
+    async def log_head(self) -> tuple[bytes, int]:
+        """The newest entry's id (``b"0-0"`` when the log is empty) and the number of the newest
+        entry ever logged (0 for none): the next entry must carry the number after it."""
         ...
 
     async def read_log(self, after: bytes, *, count: int, wait_s: float) -> list[LogEntry]:

@@ -1,5 +1,7 @@
 """A router's own copy of the prefix index, kept by following the index's event log
 (``IndexSettings.event_log``): a decision's lookup answered in process, without a round trip.
+The index keeps the log while routers ask for it (:meth:`EventLog.keep_log`), so workers need
+no setting of their own.
 
 A follower starts from the index's blocks as they are (:meth:`EventLog.scan_holders`, read while
 events flow) and then applies the log's entries from the newest one it saw before that read:
@@ -51,7 +53,7 @@ class _Cursor:
     """Where one log's follower stands."""
 
     after: bytes = b"0-0"  # the last entry applied (or the newest before the starting read)
-    number: int | None = None  # its number; None: the next entry's number is not known
+    number: int = 0  # the number of the last entry logged by then: the next one is one more
     ready: bool = False  # started and not behind
 
 
@@ -64,11 +66,12 @@ class IndexFollower:
         index: PrefixIndex,
         logs: list[EventLog],
         *,
+        log_entries: int,
         loads_every_s: float = 0.05,
         live_every_s: float = 1.0,
         retry_s: float = 1.0,
     ) -> None:
-        self._index, self._logs = index, logs
+        self._index, self._logs, self._log_entries = index, logs, log_entries
         self._cursors = [_Cursor() for _ in logs]
         self._loads_every_s, self._live_every_s, self._retry_s = (
             loads_every_s, live_every_s, retry_s)
@@ -150,6 +153,7 @@ class IndexFollower:
         """This group's blocks as the index holds them now; the log from before the read."""
         cursor, log = self._cursors[group], self._logs[group]
         cursor.ready = False
+        await log.keep_log(self._log_entries)  # again after Redis restarted empty
         after, number = await log.log_head()
         held: dict[int, list[bytes]] = {}
         offset = group * GROUP_SPAN
@@ -172,7 +176,7 @@ class IndexFollower:
         entries = await self._logs[group].read_log(cursor.after, count=READ_ENTRIES,
                                                    wait_s=wait_s)
         for entry in entries:
-            if cursor.number is not None and entry.number != cursor.number + 1:
+            if entry.number != cursor.number + 1:
                 logger.info("prefix index log %d: entries %d-%d trimmed before read; starting "
                             "over", group, cursor.number + 1, entry.number - 1)
                 cursor.ready = False

@@ -191,14 +191,13 @@ class RedisPrefixIndex:
         self.lease_ttl_s = self.lease_ttl_ms / 1000
         self.predict_ttl_ms = max(1, int(settings.predict_ttl_s * 1000))
         self.predict_exact_blocks = settings.predict_exact_blocks
-        self.event_log = settings.event_log
         self._url = url
         self._redis = connect(url, self.admin_deadline_s, settings.connect_timeout_s)
         p = self._prefix = "{" + self.tag + "}"
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
         self._k_lv, self._k_tails, self._k_lz = p + "lv", p + "T", p + "lz"
-        self._k_blocks, self._k_log = p + "B", p + "E"
+        self._k_blocks, self._k_log, self._k_log_cap = p + "B", p + "E", p + "Ecap"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -319,7 +318,7 @@ class RedisPrefixIndex:
     async def apply(self, batch: EventBatch) -> ResultCode:
         keys = [self._w(batch.worker_id), self._r(batch.worker_id)]
         args = [self._prefix, batch.worker_id, batch.epoch, batch.seq,
-                encode_events(batch.events), self.event_log]
+                encode_events(batch.events)]
         code = await self._eval("apply", keys, args)
         what = f"apply of worker {batch.worker_id} epoch {batch.epoch} seq {batch.seq}"
         return expect(code, what, ResultCode.OK, ResultCode.STALE_EPOCH, ResultCode.RESYNC_NEEDED)
@@ -344,7 +343,7 @@ class RedisPrefixIndex:
                     packed_new[start : start + step]]
             code = await self._eval("resync_chunk", keys, args, self.admin_deadline_s)
             expect(code, what)
-        args = [epoch, seq, packed_new, self._prefix, worker_id, self.event_log]
+        args = [epoch, seq, packed_new, self._prefix, worker_id]
         code = await self._eval("resync_commit", keys, args, self.admin_deadline_s)
         expect(code, what)
 
@@ -423,19 +422,21 @@ class RedisPrefixIndex:
         exact = pack_digests(chain[from_block:end])
         if exact:
             args = [self._prefix, worker_id, self.predict_ttl_ms, exact,
-                    tail_record(chain, from_block, end), _MAX_TAILS, self.event_log]
+                    tail_record(chain, from_block, end), _MAX_TAILS]
             await self._eval("predict", [self._k_live, self._k_tails], args)
 
     # -- the event log (lua/_log.lua), for routers that follow it --------------------------
 
-    async def log_head(self) -> tuple[bytes, int | None]:
-        """The newest entry of the event log: its id and number; (``b"0-0"``, None) for none."""
-        entries = await self._call(lambda: self._redis.xrevrange(self._k_log, count=1),
-                                   self.admin_deadline_s)
-        if not entries:
-            return b"0-0", None
-        entry_id, values = entries[0]
-        return entry_id, int(values[b"n"])
+    async def keep_log(self, entries: int) -> None:
+        """Have the scripts keep the event log, capped near ``entries`` (the last caller's)."""
+        await self._call(lambda: self._redis.set(self._k_log_cap, entries), self.admin_deadline_s)
+
+    async def log_head(self) -> tuple[bytes, int]:
+        """The event log's newest entry id (``b"0-0"`` when empty) and the number of the newest
+        entry ever logged (0 for none), read together."""
+        entry_id, number = await self._eval(
+            "log_head", [self._k_log, self._k_log + "n"], [], self.admin_deadline_s)
+        return entry_id or b"0-0", int(number)
 
     async def read_log(self, after: bytes, *, count: int, wait_s: float) -> list[LogEntry]:
         """At most ``count`` entries of the event log past entry ``after``, oldest first,
@@ -477,7 +478,7 @@ class RedisPrefixIndex:
         keys = [self._k_reg, self._k_live, self._k_ids, self._k_load, self._k_rv, self._k_lv,
                 self._k_lz]
         return await self._eval(
-            "gc_mark", keys, [self._prefix, only_id, self.event_log], self.admin_deadline_s
+            "gc_mark", keys, [self._prefix, only_id], self.admin_deadline_s
         )
 
     async def _collect(self, worker_id: int) -> int:

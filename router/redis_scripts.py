@@ -17,7 +17,7 @@ _INCLUDE = re.compile(r"--#include (_[a-z_]+\.lua)")
 
 SCRIPTS = (
     "register", "heartbeat", "apply", "resync_begin", "resync_chunk", "resync_commit",
-    "gc_mark", "gc_chunk", "lookup", "predict", "live",
+    "gc_mark", "gc_chunk", "lookup", "predict", "live", "log_head",
 )
 
 

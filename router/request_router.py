@@ -245,7 +245,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             )
             logs = event_logs(self._index) if self._index_settings.event_log else None
             if logs is not None:
-                self._follower = IndexFollower(self._index, logs)
+                self._follower = IndexFollower(self._index, logs,
+                                               log_entries=self._index_settings.event_log)
                 self._spawn(_follow_while_ray_runs(self._follower))
         return self._index
 

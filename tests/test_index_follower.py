@@ -14,7 +14,7 @@ from fleetkit import Fleet, digests
 
 from cluster.local_redis import LocalRedis
 from router.blocks import Chain
-from router.events import EventBatch, WorkerLoad
+from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode, open_index
 from router.index_follower import IndexFollower, event_logs
 from router.redis_index import key_tag
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.cluster
 
 
 def settings(**kw: object) -> IndexSettings:
-    return IndexSettings(**{"lease_ttl_s": 600.0, "event_log": 100_000, **kw})
+    return IndexSettings(**{"lease_ttl_s": 600.0, **kw})
 
 
 def depths(result: LookupResult) -> dict[str, tuple[int, int]]:
@@ -33,7 +33,7 @@ def depths(result: LookupResult) -> dict[str, tuple[int, int]]:
 def follower_of(index: PrefixIndex, **kw: float) -> IndexFollower:
     logs = event_logs(index)
     assert logs is not None
-    return IndexFollower(index, logs, **kw)
+    return IndexFollower(index, logs, log_entries=100_000, **kw)
 
 
 class Publisher:
@@ -110,12 +110,38 @@ async def test_a_follower_starts_over_when_the_log_was_trimmed_past_it(
         await same_answers(index, follower, fleet)
         for _ in range(60):  # entries the follower never reads: trimmed away below
             await publisher.step()
-        assert raw.xtrim("{" + key_tag(model) + "}E", maxlen=0, approximate=False) > 60
-        await publisher.step()
-        while not fleet.held or all(not b for b in fleet.held.values()):
+        stream = "{" + key_tag(model) + "}E"
+        assert raw.xtrim(stream, maxlen=0, approximate=False) > 30
+        while not raw.xlen(stream):  # the next entry, numbered past the trimmed ones
             await publisher.step()
         await same_answers(index, follower, fleet, queries=30)
         assert sum(len(q) for q in fleet.held.values()) > 0
+    finally:
+        raw.close()
+        await index.close()
+
+
+async def test_the_index_keeps_a_log_only_once_a_router_follows_it(
+    redis_server: LocalRedis,
+) -> None:
+    rng = random.Random(8)
+    a, b = digests(rng, 12), digests(rng, 12)
+    model = f"kl-{uuid.uuid4().hex[:6]}"
+    index = open_index(redis_server.url, model, deadline_s=2.0, settings=settings())
+    raw = redis.Redis.from_url(redis_server.url)
+    stream = "{" + key_tag(model) + "}E"
+    try:
+        w1 = await index.register("one", epoch=1, block_size=16, fingerprint="fp")
+        await index.resync(w1, 1, a, 0)
+        await index.apply(EventBatch(w1, 1, 1, (BlockStored(tuple(b)),)))
+        assert not raw.exists(stream)  # nobody follows: the workers' writes cost no log
+        follower = follower_of(index)
+        await follower.catch_up()
+        await index.apply(EventBatch(w1, 1, 2, (BlockRemoved(tuple(a[6:])),)))
+        assert raw.xlen(stream) == 1
+        await follower.catch_up()
+        assert depths(follower.lookup(Chain.of(a))) == {"one": (6, 6)}
+        assert depths(follower.lookup(Chain.of(b))) == {"one": (12, 12)}
     finally:
         raw.close()
         await index.close()

@@ -65,8 +65,7 @@ def handle(redis_server: LocalRedis, event_log: int):
                 IndexSettings(predict_ttl_s=1.0, event_log=event_log), stats_period_s=1.0),
         )
         app = deployment.bind(model_path, ENGINE, redis_server.url, MODEL, stream_interval=1,
-                              drain_timeout_s=5.0, heartbeat_interval_s=0.2,
-                              index={"event_log": event_log})
+                              drain_timeout_s=5.0, heartbeat_interval_s=0.2)
         yield serve.run(app, name="routing", route_prefix=None)
     finally:
         serve.shutdown()

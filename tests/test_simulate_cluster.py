@@ -108,8 +108,7 @@ async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: st
                  own_process: bool = False, local_index: bool = False, **router: int,
                  ) -> tuple[Simulator, list[int | None]]:
     """A prefix-policy run over 8 workers: the simulator and where each request went."""
-    model = f"t-{time.time_ns()}"
-    settings = IndexSettings(lease_ttl_s=LEASE_TTL_S, event_log=100_000 if local_index else 0)
+    model, settings = f"t-{time.time_ns()}", IndexSettings(lease_ttl_s=LEASE_TTL_S)
     index = open_index(redis_url, model, deadline_s=2.0, settings=settings)
     where = IndexSpec(redis_url, model, settings, 2.0) if own_process else None
     sim = Simulator(PROFILE, 8, "prefix", config, index, router=router, router_process=where,

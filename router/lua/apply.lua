@@ -1,4 +1,4 @@
--- KEYS: w, r   ARGV: pfx, id, epoch, seq, ops, log (the event log's cap, _log.lua)
+-- KEYS: w, r   ARGV: pfx, id, epoch, seq, ops
 -- ops: router.events.encode_events' op stream, records of
 --      op (1 byte: S stored, R removed, C cleared) | u32 BE count | count x 16-byte digests
 -- -> OK (applied, or a duplicate seq), STALE_EPOCH or RESYNC_NEEDED
@@ -43,5 +43,5 @@ if redis.call('STRLEN', rkey) / KEY > 2 * n + 1024 then
   n = #keep
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'n', n)
-if #ops > 0 then log_event(ARGV[1], ARGV[6], ARGV[2], 'O', ops) end
+if #ops > 0 then log_event(ARGV[1], ARGV[2], 'O', ops) end
 return OK

@@ -1,4 +1,4 @@
--- KEYS: reg, live, ids, load, rv, lv, lz   ARGV: pfx, only_id ('' = every expired lease), log
+-- KEYS: reg, live, ids, load, rv, lv, lz   ARGV: pfx, only_id ('' = every expired lease)
 -- Marks dead workers (gc flag, out of live/ids/load) and returns their ids.
 --#include _now.lua
 --#include _log.lua
@@ -50,7 +50,7 @@ for _, id in ipairs(valid) do
       redis.call('ZREM', KEYS[7], code)
       redis.call('INCR', KEYS[5])
       redis.call('INCR', KEYS[6])
-      log_event(pfx, ARGV[3], id, 'D', '')
+      log_event(pfx, id, 'D', '')
     end
     out[#out + 1] = id
   end

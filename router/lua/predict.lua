@@ -1,4 +1,4 @@
--- KEYS: live, tails   ARGV: pfx, id, ttl_ms, exact, tail, max_tails, log
+-- KEYS: live, tails   ARGV: pfx, id, ttl_ms, exact, tail, max_tails
 --   -> blocks written one key each
 -- exact: the first blocks past the worker's confirmed depth (16-byte digests), one key each:
 --   P.."q"..digest holds records of 2-byte id + 13-digit expiry (ms, Redis clock), PX the latest.
@@ -50,5 +50,5 @@ if ARGV[5] ~= '' then
   redis.call('HSET', tkey, code, table.concat(parts))
   if redis.call('PTTL', tkey) < ttl then redis.call('PEXPIRE', tkey, ttl) end
 end
-log_event(pfx, ARGV[7], ARGV[2], 'P', struct.pack('>I4', ttl) .. chain)
+log_event(pfx, ARGV[2], 'P', struct.pack('>I4', ttl) .. chain)
 return n
