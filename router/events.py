@@ -80,6 +80,9 @@ def pack_digests(digests: Sequence[bytes]) -> bytes:
     return Chain.of(digests).packed
 
 
+_OP_HEAD = struct.Struct(">cI")  # an op stream's record: op, digest count
+
+
 def encode_events(events: Sequence[KVEvent]) -> bytes:
     """The op stream of a batch: per event ``op | u32 BE count | count x 16-byte digest``.
 
@@ -103,14 +106,15 @@ def decode_events(ops: bytes) -> list[KVEvent]:
     """The events of an op stream (:func:`encode_events`), as a router following the index's
     event log reads them; :class:`EventDecodeError` for a malformed one."""
     events: list[KVEvent] = []
-    pos, view = 0, memoryview(ops)
+    pos = 0
     while pos < len(ops):
-        if pos + 5 > len(ops):
-            raise EventDecodeError(f"op stream cut short at byte {pos}")
-        op, count = ops[pos : pos + 1], int.from_bytes(view[pos + 1 : pos + 5], "big")
-        start, pos = pos + 5, pos + 5 + count * DIGEST_BYTES
+        try:
+            op, count = _OP_HEAD.unpack_from(ops, pos)
+        except struct.error:
+            raise EventDecodeError(f"op stream cut short in the header at byte {pos}") from None
+        start, pos = pos + _OP_HEAD.size, pos + _OP_HEAD.size + count * DIGEST_BYTES
         if pos > len(ops):
-            raise EventDecodeError(f"op stream cut short at byte {len(ops)}")
+            raise EventDecodeError(f"op stream cut short: {count} digests need {pos} bytes")
         hashes = tuple(ops[k : k + DIGEST_BYTES] for k in range(start, pos, DIGEST_BYTES))
         if op == b"S":
             events.append(BlockStored(hashes))

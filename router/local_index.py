@@ -148,6 +148,10 @@ class PredictedBlocks:
         self._until: dict[bytes, dict[int, float]] = {}  # block key -> worker id -> expiry
         self._expiry: deque[tuple[float, int, tuple[bytes, ...]]] = deque()  # arrival order
 
+    def __len__(self) -> int:
+        """Blocks with an unexpired prediction (or one that expired since the last lookup)."""
+        return len(self._until)
+
     def add(self, worker_id: int, hashes: Iterable[BlockHash], until: float) -> None:
         """``hashes`` routed to the worker, predicted there until ``until``."""
         keys = tuple(h[:KEY] for h in hashes)
@@ -163,22 +167,18 @@ class PredictedBlocks:
         if not self._until:
             return {}
         packed, get = chain.packed, self._until.get
-        n = len(packed) // DIGEST_BYTES
 
-        def at(j: int) -> dict[int, float]:
+        def at(j: int) -> dict[int, float]:  # past the chain's end: b"", no block's key
             return get(packed[j * DIGEST_BYTES : j * DIGEST_BYTES + KEY], _NONE)
 
         out: dict[int, int] = {}
         for start in {0, *confirmed.values()}:
-            if start >= n:
-                continue
             for worker_id, until in at(start).items():
-                if until <= now or confirmed.get(worker_id, 0) != start:
-                    continue
-                j = start + 1
-                while j < n and at(j).get(worker_id, 0.0) > now:
-                    j += 1
-                out[worker_id] = j
+                if until > now and confirmed.get(worker_id, 0) == start:
+                    j = start + 1
+                    while at(j).get(worker_id, 0.0) > now:
+                        j += 1
+                    out[worker_id] = j
         return out
 
     def _expire(self, now: float) -> None:

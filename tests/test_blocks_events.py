@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import msgpack
 import pytest
 
@@ -112,14 +114,16 @@ def test_an_op_stream_decodes_to_its_events() -> None:
     assert decode_events(b"") == []
 
 
-@pytest.mark.parametrize("ops", [
-    b"S\x00\x00\x00\x02" + b"x" * 31,  # one byte short of two digests
-    b"S\x00\x00",  # a header cut short
-    b"X\x00\x00\x00\x00",  # no such op
-    b"C\x00\x00\x00\x01" + b"x" * 16,  # a clear names no blocks
+@pytest.mark.parametrize(("ops", "says"), [
+    (b"S\x00\x00\x00\x02" + b"x" * 31, "2 digests need 37 bytes"),  # one byte short
+    (b"S\x00\x00", "in the header at byte 0"),
+    (b"R\x00\x00\x00\x00S", "in the header at byte 5"),
+    (b"S\x01\x00\x00\x00" + b"x" * 32, "16777216 digests need"),  # a count past 3 bytes
+    (b"X\x00\x00\x00\x00", "unknown op b'X' with 0 digests"),
+    (b"C\x00\x00\x00\x01" + b"x" * 16, "unknown op b'C' with 1 digests"),  # clears no block
 ])
-def test_a_malformed_op_stream_is_refused(ops: bytes) -> None:
-    with pytest.raises(EventDecodeError):
+def test_a_malformed_op_stream_is_refused(ops: bytes, says: str) -> None:
+    with pytest.raises(EventDecodeError, match=re.escape(says)):
         decode_events(ops)
 
 

@@ -89,17 +89,35 @@ def test_predictions_carry_a_worker_past_its_confirmed_depth_until_they_expire()
     rng = random.Random(5)
     chain = digests(rng, 20)
     predicted = PredictedBlocks()
+    predicted.add(3, chain[:4], until=10.0)  # from block 0: where it holds 2, the walk starts there
     predicted.add(1, chain[5:12], until=10.0)  # past its 5 confirmed blocks
     predicted.add(2, chain[:3], until=20.0)  # from block 0
-    predicted.add(3, chain[8:15], until=10.0)  # past block 8, but it holds only 2
+    predicted.add(4, chain[7:8], until=10.0)  # one block past its 7
     whole = Chain.of(chain)
-    assert predicted.depths(whole, {1: 5, 3: 2}, now=1.0) == {1: 12, 2: 3}
-    assert predicted.depths(Chain.of(chain[:9]), {1: 5}, now=1.0) == {1: 9, 2: 3}
-    assert predicted.depths(whole, {1: 5, 2: 3}, now=1.0) == {1: 12}  # nothing past 3
+    assert predicted.depths(whole, {1: 5, 3: 2, 4: 7}, now=0.5) == {1: 12, 2: 3, 3: 4, 4: 8}
+    assert predicted.depths(Chain.of(chain[:9]), {1: 5}, now=1.0) == {1: 9, 2: 3, 3: 4}
+    assert predicted.depths(whole, {1: 5, 2: 3}, now=1.0) == {1: 12, 3: 4}  # nothing past 3
+    assert predicted.depths(whole, {}, now=1.0) == {2: 3, 3: 4}
+    assert len(predicted) == 11
     predicted.add(2, chain[:3], until=30.0)  # renewed: its first expiry leaves it be
+    assert predicted.depths(whole, {}, now=10.0) == {2: 3}  # expiring at 10: gone at 10
+    assert len(predicted) == 4  # worker 4's block waits in memory behind worker 2's expiry
     assert predicted.depths(whole, {}, now=20.0) == {2: 3}
-    assert predicted.depths(whole, {}, now=30.0) == {}
-    assert predicted.depths(whole, {1: 5}, now=30.0) == {}
+    assert len(predicted) == 3
+    assert predicted.depths(whole, {}, now=30.0) == {} and len(predicted) == 0
+
+
+def test_a_prediction_queued_behind_a_later_expiry_still_expires_on_time() -> None:
+    rng = random.Random(6)
+    chain = digests(rng, 6)
+    predicted = PredictedBlocks()
+    predicted.add(1, chain[:4], until=30.0)
+    predicted.add(2, chain[:2], until=10.0)  # arrived later, expires sooner (a shorter TTL)
+    predicted.add(2, chain[4:6], until=10.0)
+    predicted.add(1, chain[4:5], until=10.0)
+    assert predicted.depths(Chain.of(chain), {2: 4}, now=9.0) == {1: 5, 2: 6}
+    assert predicted.depths(Chain.of(chain), {2: 4}, now=10.0) == {1: 4}
+    assert predicted.depths(Chain.of(chain), {}, now=10.0) == {1: 4}
 
 
 @pytest.mark.cluster
