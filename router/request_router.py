@@ -137,8 +137,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         ).set_default_tags(tags)
         self._lookups = metrics.Counter(
             "prefixserve_router_lookups",
-            description="Index lookups by where they were answered: local (this router's copy, "
-            "following the index's event log) or index (a round trip).",
+            description="Index lookups by where they were asked: local (this router's copy, "
+            "following the index's event log) or index (a round trip, which may fail open).",
             tag_keys=(*keys, "source"),
         ).set_default_tags(tags)
         self._failopen = metrics.Counter(
