@@ -27,13 +27,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 
 from bench.redis_time import lookup_clock
 from router.blocks import Chain
-from router.index import (
-    IndexSettings,
-    LookupResult,
-    PrefixIndex,
-    open_index,
-    within,
-)
+from router.index import IndexSettings, LookupResult, PrefixIndex, open_index, within
 from router.index_follower import IndexFollower
 from router.ray_prefix import TOKEN_CHAR_BASE
 from router.router_state import Candidate, RouterSettings, RouterState

@@ -294,13 +294,11 @@ class Simulator:
         if idle and since is not None and now - since < IDLE_HEARTBEAT_S:
             return  # an idle load changes only in its busy share, which decays slowly
         w.idle_reported_at = now if idle else None
-        load = s.load(now)
         try:
-            await self.index.heartbeat(w.worker_id, 1, load)
+            await self.index.heartbeat(w.worker_id, 1, s.load(now))
         except IndexUnavailable:
             self.index_failures += 1
             w.idle_reported_at = None
-            return
 
     async def _flush(self, w: SimWorker) -> None:
         """Apply the unpublished events in batches; after a failure, as the publisher does,
@@ -311,8 +309,7 @@ class Simulator:
             return
         try:
             if w.dirty:
-                hashes = w.engine.cached_block_hashes()
-                await self.index.resync(w.worker_id, 1, hashes, w.seq)
+                await self.index.resync(w.worker_id, 1, w.engine.cached_block_hashes(), w.seq)
                 w.dirty = False
                 return
             for batch in _batches(events):

@@ -197,7 +197,8 @@ class RedisPrefixIndex:
         self._k_reg, self._k_ids, self._k_live = p + "reg", p + "ids", p + "live"
         self._k_load, self._k_rv, self._k_name = p + "load", p + "rv", p + "name"
         self._k_lv, self._k_tails, self._k_lz = p + "lv", p + "T", p + "lz"
-        self._k_blocks, self._k_log, self._k_log_cap = p + "B", p + "E", p + "Ecap"
+        self._k_blocks, self._k_log = p + "B", p + "E"
+        self._k_log_n, self._k_log_cap = p + "En", p + "Ecap"
         self._scripts = {
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
@@ -435,7 +436,7 @@ class RedisPrefixIndex:
         """The event log's newest entry id (``b"0-0"`` when empty) and the number of the newest
         entry ever logged (0 for none), read together."""
         entry_id, number = await self._eval(
-            "log_head", [self._k_log, self._k_log + "n"], [], self.admin_deadline_s)
+            "log_head", [self._k_log, self._k_log_n], [], self.admin_deadline_s)
         return entry_id or b"0-0", int(number)
 
     async def read_log(self, after: bytes, *, count: int, wait_s: float) -> list[LogEntry]:
