@@ -30,14 +30,20 @@ test-unit: setup
 	PREFIXSERVE_FAST_EXIT=1 $(BIN)/pytest -q -m "not cluster and not slow" tests
 
 # Mutation testing of the pure core ([tool.mutmut] in pyproject.toml; scores and the surviving,
-# equivalent mutants in docs/mutation.md). Slow, so not part of `make test`. Starts afresh each
-# time; one module: make mutate MUTANTS='workers.kv_cache*'
+# equivalent mutants in docs/mutation.md). Slow, so not part of `make test`. mutmut names a
+# mutant by its file's path, so it runs in build/mutate, a copy laid out as the installed package
+# (prefixserve/router/...), made afresh each time. One module:
+# make mutate MUTANTS='prefixserve.workers.kv_cache*'
 MUTANTS ?=
 MUTATE_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+MUTATE_TREE := build/mutate
 mutate: setup
-	rm -rf mutants
-	set -f; $(BIN)/mutmut run --max-children $(MUTATE_JOBS) $(MUTANTS)
-	$(BIN)/mutmut results | { grep -v ': not checked$$' || true; }
+	rm -rf $(MUTATE_TREE) && mkdir -p $(MUTATE_TREE)/prefixserve
+	cp -r router workers cluster $(MUTATE_TREE)/prefixserve/
+	cp -r tests pyproject.toml $(MUTATE_TREE)/
+	cd $(MUTATE_TREE) && set -f && $(CURDIR)/$(BIN)/mutmut run --max-children $(MUTATE_JOBS) \
+		$(MUTANTS)
+	cd $(MUTATE_TREE) && $(CURDIR)/$(BIN)/mutmut results | { grep -v ': not checked$$' || true; }
 
 serve: setup
 	$(BIN)/prefixserve serve $(ARGS)
@@ -46,7 +52,7 @@ serve: setup
 # with each worker's KV pool holding 11 of the 16 shared system prompts, on the tiny built-in
 # model the recorded figures used (README: Benchmarks; docs/benchmarks.md).
 bench: setup
-	$(BIN)/python -m bench compare --model-path prefixserve-tiny --num-workers 2 \
+	$(BIN)/python -m prefixserve.bench compare --model-path prefixserve-tiny --num-workers 2 \
 		--workload shared-prefix \
 		--num-groups 16 --prompts-per-group 8 --system-len 1024 --question-len 64 \
 		--output-len 32 --ignore-eos --request-rate 11,16,20,inf --repeats 3 \
@@ -58,4 +64,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info mutants
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info mutants build

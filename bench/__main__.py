@@ -1,7 +1,7 @@
-"""`python -m bench` is the `prefixserve-bench` command."""
+"""`python -m prefixserve.bench` is the `prefixserve-bench` command."""
 
 import sys
 
-from bench.cli import main
+from prefixserve.bench.cli import main
 
 sys.exit(main())

@@ -1,4 +1,4 @@
-r"""`prefixserve-bench run|compare` (also `python -m bench run|compare`).
+r"""`prefixserve-bench run|compare` (also `python -m prefixserve.bench run|compare`).
 
 `run` drives any OpenAI-compatible endpoint; `compare` launches the local cluster once per
 routing policy and runs the same workload against each. Examples::
@@ -24,12 +24,18 @@ import asyncio
 import json
 import sys
 
-from bench.options import DEFAULT_TRACE, WORKLOADS, make_spec, make_workload, parse_rates
-from bench.outputs import write_outputs
-from bench.report import format_side_by_side, format_summary
-from bench.runner import run_sweep
-from router.routing_policies import POLICY_NAMES
-from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL
+from prefixserve.bench.options import (
+    DEFAULT_TRACE,
+    WORKLOADS,
+    make_spec,
+    make_workload,
+    parse_rates,
+)
+from prefixserve.bench.outputs import write_outputs
+from prefixserve.bench.report import format_side_by_side, format_summary
+from prefixserve.bench.runner import run_sweep
+from prefixserve.router.routing_policies import POLICY_NAMES
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from bench.compare import compare  # the cluster launcher: `run` does without it
+    from prefixserve.bench.compare import compare  # the cluster launcher: `run` does without it
 
     return compare(args)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from bench.metrics import RequestResult, from_timeline
-from bench.sse import StreamReader
+from prefixserve.bench.metrics import RequestResult, from_timeline
+from prefixserve.bench.sse import StreamReader
 
 WORKER_HEADER = "x-prefixserve-worker"
 

@@ -10,7 +10,7 @@ Redis' own time running the decision's lookups (its SLOWLOG, ``bench/redis_time.
 whether every decision found its worker (the chosen worker's confirmed depth is the whole held
 prompt): the figures are for decisions that did the full work.
 
-    python -m bench.decision_floor --workers 64 --lengths 2000,8000,32000,80000
+    python -m prefixserve.bench.decision_floor --workers 64 --lengths 2000,8000,32000,80000
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.redis_time import lookup_clock
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace, token_array
-from router.events import BlockStored, EventBatch, WorkerLoad
-from router.index import IndexSettings, PrefixIndex, open_index
-from router.router_state import Candidate, RouterSettings, RouterState
+from prefixserve.bench.redis_time import lookup_clock
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
+from prefixserve.router.index import IndexSettings, PrefixIndex
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.router_state import Candidate, RouterSettings, RouterState
 
 BLOCK_SIZE = 16
 FINGERPRINT = "decision-floor"

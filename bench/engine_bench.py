@@ -1,8 +1,8 @@
 """Engine throughput and TTFT against transformers' own continuous batching, same weights.
 
-    .venv/bin/python -m bench.engine_bench            # the default real model, full size
-    .venv/bin/python -m bench.engine_bench --quick    # scaled down
-    .venv/bin/python -m bench.engine_bench --device cuda --quick   # on a GPU (bf16)
+    python -m prefixserve.bench.engine_bench            # the default real model, full size
+    python -m prefixserve.bench.engine_bench --quick    # scaled down
+    python -m prefixserve.bench.engine_bench --device cuda --quick   # on a GPU (bf16)
 
 The model is any `--model` value (default: SmolLM2-135M-Instruct, dequantized from its GGUF);
 transformers loads the same dequantized weights from the converted checkpoint directory.
@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.checkpoints import DEFAULT_MODEL, is_gguf, locate, resolve_checkpoint
-from workers.engine import LLMEngine
-from workers.engine_types import EngineConfig
-from workers.models.base import to_dtype
-from workers.models.config import ModelConfig, load_model_config
-from workers.sampling import SamplingParams
+from prefixserve.workers.checkpoints import DEFAULT_MODEL, is_gguf, locate, resolve_checkpoint
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.models.base import to_dtype
+from prefixserve.workers.models.config import ModelConfig, load_model_config
+from prefixserve.workers.sampling_params import SamplingParams
 
 
 @dataclass

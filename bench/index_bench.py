@@ -5,9 +5,9 @@ Fills the index with ``--blocks`` blocks (chains of ``--chain-len`` blocks, each
 existing 128- and 512-block chains (the walk goes all the way down), event-apply throughput,
 and Redis memory per (block, worker) entry. Prints a table with the targets.
 
-    .venv/bin/python -m bench.index_bench                  # full size: 1,000,000 blocks
-    .venv/bin/python -m bench.index_bench --blocks 100000  # scaled down
-    .venv/bin/python -m bench.index_bench --only-predict   # predicted entries' memory only
+    python -m prefixserve.bench.index_bench                  # full size: 1,000,000 blocks
+    python -m prefixserve.bench.index_bench --blocks 100000  # scaled down
+    python -m prefixserve.bench.index_bench --only-predict   # predicted entries' memory only
 
 It also measures the Redis memory that routing-time predicted entries take under a long-prompt
 load (``--predict-prompts`` routed prompts of ``--predict-tokens`` tokens, none cached yet).
@@ -29,9 +29,10 @@ import time
 
 import redis
 
-from cluster.local_redis import LocalRedis
-from router.events import BlockRemoved, BlockStored, EventBatch
-from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch
+from prefixserve.router.index import IndexSettings, PrefixIndex, ResultCode
+from prefixserve.router.index_stores import open_index
 
 BLOCK_SIZE = 16
 

@@ -21,10 +21,10 @@ prompts, documents, few-shot preambles) picked with Zipf popularity; the rest is
 shared block is held by many workers, a private one by one, and a worker that picks the same
 shared chain twice holds its blocks once.
 
-    .venv/bin/python -m bench.index_scale                          # 1,000 x 30,000, one Redis
-    .venv/bin/python -m bench.index_scale --convs 6                # scaled down (3M entries)
-    .venv/bin/python -m bench.index_scale --mode cluster --convs 6 # 3 shards, 3 models
-    .venv/bin/python -m bench.index_scale --mode groups --convs 6  # 3 shards, 1 model, 3 groups
+    python -m prefixserve.bench.index_scale                          # 1,000 x 30,000, one Redis
+    python -m prefixserve.bench.index_scale --convs 6                # scaled down (3M entries)
+    python -m prefixserve.bench.index_scale --mode cluster --convs 6 # 3 shards, 3 models
+    python -m prefixserve.bench.index_scale --mode groups --convs 6  # 3 shards, 1 model, 3 groups
 
 In a Redis Cluster one model's keys share one hash tag, hence one slot, hence one shard: the
 cluster mode fills ``--models`` models whose tags land on different shards, concurrently, and
@@ -53,12 +53,13 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from bench.redis_time import script_sha, slowlog_ms, slowlog_on
-from cluster.local_redis import LocalRedis, free_port
-from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from router.index import IndexSettings, PrefixIndex, ResultCode, open_index
-from router.redis_index import RedisPrefixIndex, key_tag
-from router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name
+from prefixserve.bench.redis_time import script_sha, slowlog_ms, slowlog_on
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
+from prefixserve.router.index import IndexSettings, PrefixIndex, ResultCode
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.redis_index import RedisPrefixIndex, key_tag
+from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name
 
 DIGEST = 16
 BLOCK_SIZE = 16

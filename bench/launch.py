@@ -15,8 +15,8 @@ from typing import Any
 
 import httpx
 
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis, free_port
 
 APP_NAME = "prefixserve-bench"
 _serve_port: int | None = None        # Serve's HTTP proxy keeps its first port while Ray is up
@@ -52,7 +52,7 @@ def local_cluster(port: int = 0, start_timeout_s: float = 180.0,
     """Run the prefixserve app built from ClusterConfig(**options) until the block exits."""
     from ray import serve
 
-    from cluster.app import build_app, serve_logging
+    from prefixserve.cluster.app import build_app, serve_logging
 
     global _serve_port
     if _serve_port is not None and port and port != _serve_port:

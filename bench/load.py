@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from bench.client import Prompt
-from bench.metrics import RequestResult
-from bench.workloads import Session
+from prefixserve.bench.client import Prompt
+from prefixserve.bench.metrics import RequestResult
+from prefixserve.bench.workloads import Session
 
 SendFn = Callable[[Prompt, str, float], Awaitable[RequestResult]]
 

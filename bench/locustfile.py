@@ -22,9 +22,9 @@ try:
 except ImportError as exc:                   # locust is optional, not a dependency
     raise ImportError("bench/locustfile.py needs locust: pip install locust") from exc
 
-from bench.client import ClientConfig, Prompt, build_body
-from bench.sse import StreamReader
-from bench.workloads import RandomPrompts, SharedPrefix, Tokens
+from prefixserve.bench.client import ClientConfig, Prompt, build_body
+from prefixserve.bench.sse import StreamReader
+from prefixserve.bench.workloads import RandomPrompts, SharedPrefix, Tokens
 
 _prompts: itertools.cycle | None = None
 

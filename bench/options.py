@@ -12,13 +12,13 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.client import ClientConfig
-from bench.load import LoadShape
-from bench.metrics import METRICS, parse_goodput
-from bench.runner import RunSpec, WorkloadFn
-from bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
-from workers.checkpoints import BUILTIN_MODEL_NAME, resolve_checkpoint
-from workers.sim.profiles import is_sim_model
+from prefixserve.bench.client import ClientConfig
+from prefixserve.bench.load import LoadShape
+from prefixserve.bench.metrics import METRICS, parse_goodput
+from prefixserve.bench.runner import RunSpec, WorkloadFn
+from prefixserve.bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, resolve_checkpoint
+from prefixserve.workers.sim.profiles import is_sim_model
 
 WORKLOADS = ("shared-prefix", "multi-turn", "rag", "trace", "random")
 DEFAULT_TRACE = "bench/traces/mooncake_conversation_1000.jsonl"

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import redis
 
-from router import redis_scripts
+from prefixserve.router import redis_scripts
 
 SLOWLOG_MAX_LEN = 200_000
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import redis
 
-from cluster.local_redis import LocalRedis
+from prefixserve.cluster.local_redis import LocalRedis
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from bench.client import ClientConfig, Prompt, make_http_client, send
-from bench.load import LoadShape, RunOutcome, run_load, warm_up
-from bench.metrics import (
+from prefixserve.bench.client import ClientConfig, Prompt, make_http_client, send
+from prefixserve.bench.load import LoadShape, RunOutcome, run_load, warm_up
+from prefixserve.bench.metrics import (
     DEFAULT_PERCENTILE_METRICS,
     DEFAULT_PERCENTILES,
     RequestResult,
     summarize,
 )
-from bench.workloads import Session, Tokens, warmup_sessions
+from prefixserve.bench.workloads import Session, Tokens, warmup_sessions
 
 WorkloadFn = Callable[[Tokens], list[Session]]
 

@@ -25,12 +25,13 @@ from typing import Any
 import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from bench.redis_time import lookup_clock
-from router.blocks import Chain
-from router.index import IndexSettings, LookupResult, PrefixIndex, open_index, within
-from router.index_follower import IndexFollower
-from router.ray_prefix import TOKEN_CHAR_BASE
-from router.router_state import Candidate, RouterSettings, RouterState
+from prefixserve.bench.redis_time import lookup_clock
+from prefixserve.router.blocks import Chain
+from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, within
+from prefixserve.router.index_follower import IndexFollower
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.ray_prefix import TOKEN_CHAR_BASE
+from prefixserve.router.router_state import Candidate, RouterSettings, RouterState
 
 POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default

@@ -29,7 +29,8 @@ router's own :class:`router.router_state.LocalPredictions` (simulated time), whi
 single router consults first anyway; Serve's queue length is the router's own count of ongoing
 requests.
 
-    python -m bench.simulate --workers 16,64 --policy prefix,pow2,round_robin,ray_prefix \\
+    python -m prefixserve.bench.simulate --workers 16,64 \\
+        --policy prefix,pow2,round_robin,ray_prefix \\
         --trace bench/traces/mooncake_conversation_1000.jsonl --out sim.json
 """
 
@@ -51,10 +52,10 @@ from typing import Any
 import numpy as np
 import uvloop
 
-from bench.redis_time import lookup_clock
-from bench.round_trip import RoundTrips
-from bench.round_trip import measure as measure_round_trips
-from bench.sim_router import (
+from prefixserve.bench.redis_time import lookup_clock
+from prefixserve.bench.round_trip import RoundTrips
+from prefixserve.bench.round_trip import measure as measure_round_trips
+from prefixserve.bench.sim_router import (
     POLICIES,
     IndexSpec,
     RouterProcess,
@@ -62,26 +63,21 @@ from bench.sim_router import (
     SimRouter,
     check_policy,
 )
-from bench.workloads import Tokens, Trace
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace, token_array
-from router.events import EventBatch, KVEvent
-from router.index import (
-    IndexSettings,
-    IndexUnavailable,
-    PrefixIndex,
-    ResultCode,
-    open_index,
-)
-from router.index_follower import IndexFollower, event_logs
-from router.policy import PolicyConfig
-from router.router_state import RouterSettings
-from workers.engine_types import EngineConfig, RequestOutput
-from workers.errors import InvalidRequestError
-from workers.kv_cache import KVCacheManager
-from workers.sampling import SamplingParams
-from workers.sim.engine import SimEngine
-from workers.sim.profiles import SimProfile, profile_for
+from prefixserve.bench.workloads import Tokens, Trace
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.events import EventBatch, KVEvent
+from prefixserve.router.index import IndexSettings, IndexUnavailable, PrefixIndex, ResultCode
+from prefixserve.router.index_follower import IndexFollower, event_logs
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.policy import PolicyConfig
+from prefixserve.router.router_state import RouterSettings
+from prefixserve.workers.engine_types import EngineConfig, RequestOutput
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.sim.engine import SimEngine
+from prefixserve.workers.sim.profiles import SimProfile, profile_for
 
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
 EVENT_LOG = 100_000  # the index's event log with --local-index: its follower never falls behind

@@ -1,6 +1,6 @@
 """Soak test: thousands of mixed requests, then check that nothing leaked.
 
-    python -m bench.soak --requests 3000 --concurrency 16 --num-blocks 48
+    python -m prefixserve.bench.soak --requests 3000 --concurrency 16 --num-blocks 48
 
 starts a private cluster (Redis, Ray, two CPU workers with a small KV cache so the scheduler
 preempts), sends a mix of streaming and non-streaming completions with shared prefixes, ``n=2``
@@ -30,9 +30,9 @@ from typing import Any
 
 import httpx
 
-from bench.client import WORKER_HEADER
-from bench.sse import DONE, SSEParser
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.bench.client import WORKER_HEADER
+from prefixserve.bench.sse import DONE, SSEParser
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 OK, CLEAN_ERROR, FAILED, HUNG, CANCELLED = "ok", "clean_error", "failed", "hung", "cancelled"
 VOCAB = 250
@@ -270,7 +270,7 @@ def index_view(redis_url: str, model: str) -> dict[str, Any]:
     digest's first ``router.redis_index.INDEX_KEY_BYTES``), and the other keys."""
     import redis
 
-    from router.redis_index import key_tag
+    from prefixserve.router.redis_index import key_tag
 
     p = "{" + key_tag(model) + "}"
     r = redis.Redis.from_url(redis_url)
@@ -298,7 +298,7 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
     """Wait for idle, then compare blocks, index and RSS. Returns a report with ``problems``."""
     from ray import serve
 
-    from router.redis_index import INDEX_KEY_BYTES
+    from prefixserve.router.redis_index import INDEX_KEY_BYTES
 
     problems: list[str] = []
     idle, stats, idle_s = wait_idle(app_name, timeout_s)
@@ -351,7 +351,8 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m prefixserve.bench.soak",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--num-blocks", type=int, default=48)
@@ -364,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="what the cluster serves (the machinery, not the answers, is tested)")
     args = ap.parse_args(argv)
 
-    from bench.launch import APP_NAME, local_cluster, shutdown
+    from prefixserve.bench.launch import APP_NAME, local_cluster, shutdown
 
     try:
         with local_cluster(model=args.model, num_workers=args.num_workers,

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.client import Prompt
+from prefixserve.bench.client import Prompt
 
 TRACE_BLOCK = 512                     # tokens per Mooncake hash id
 REPO = Path(__file__).resolve().parents[1]

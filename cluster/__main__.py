@@ -1,7 +1,7 @@
-"""`python -m cluster` is the `prefixserve` command."""
+"""`python -m prefixserve.cluster` is the `prefixserve` command."""
 
 import sys
 
-from cluster.cli import main
+from prefixserve.cluster.cli import main
 
 sys.exit(main())

@@ -37,28 +37,28 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.errors import ApiError
-from cluster.generation import Generation, to_api_error
-from cluster.guard import Guard, GuardSettings, tenant_salt
-from cluster.protocol import (
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.generation import Generation, to_api_error
+from prefixserve.cluster.guard import Guard, GuardSettings, tenant_salt
+from prefixserve.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     format_validation_error,
 )
-from cluster.render import Renderer, collect, stream_response, worker_headers
-from cluster.responses import ModelCard, ModelList, new_id, now
-from cluster.tokenize_protocol import (
+from prefixserve.cluster.render import Renderer, collect, stream_response, worker_headers
+from prefixserve.cluster.responses import ModelCard, ModelList, new_id, now
+from prefixserve.cluster.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
 )
-from cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
-from workers.checkpoints import resolve_checkpoint
-from workers.models.config import load_model_config
-from workers.sim import profiles as sim
+from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
+from prefixserve.workers.checkpoints import resolve_checkpoint
+from prefixserve.workers.models.config import load_model_config
+from prefixserve.workers.sim import profiles as sim
 
 logger = logging.getLogger("ray.serve")
 

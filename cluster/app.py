@@ -3,12 +3,12 @@ router (per `policy`), and the OpenAI ingress in front of them.
 
 `app_builder` is the `import_path` for `serve run` and Serve config files::
 
-    serve run cluster.app:app_builder num_workers=2 redis_url=redis://127.0.0.1:6379/0
+    serve run prefixserve.cluster.app:app_builder num_workers=2 redis_url=redis://127.0.0.1:6379/0
 
     applications:
       - name: prefixserve
         route_prefix: /
-        import_path: cluster.app:app_builder
+        import_path: prefixserve.cluster.app:app_builder
         args: {model: /models/Llama-3.1-8B-Instruct, num_workers: 4, gpus_per_worker: 1,
                redis_url: "rediss://:secret@redis:6380/0"}
 
@@ -25,14 +25,14 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 from ray.serve.schema import LoggingConfig
 
-from cluster.api import OpenAIIngress
-from cluster.config import ClusterConfig
-from cluster.guard import GuardSettings
-from cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
-from router.index import IndexSettings
-from router.router_state import RouterSettings
-from router.routing_policies import ROUTING_POLICIES
-from workers.deployment import worker_deployment
+from prefixserve.cluster.api import OpenAIIngress
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.guard import GuardSettings
+from prefixserve.cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.routing_policies import ROUTING_POLICIES
+from prefixserve.workers.deployment import worker_deployment
 
 ROUTING_STATS_PERIOD_S = 2.0  # how fresh the index routers' fallback loads are
 

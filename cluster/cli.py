@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
-from router.index import IndexUnavailable
-from router.redis_connection import check_redis
-from router.routing_policies import ROUTING_POLICIES
-from router.secret_refs import SecretNotFound, is_reference, resolve, url_has_secret
+from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
+from prefixserve.router.index import IndexUnavailable
+from prefixserve.router.redis_connection import check_redis
+from prefixserve.router.routing_policies import ROUTING_POLICIES
+from prefixserve.router.secret_refs import SecretNotFound, is_reference, resolve, url_has_secret
 
 APP_NAME = "prefixserve"
 
@@ -102,7 +102,7 @@ def invalid_config_message(exc: ValidationError) -> str:
 
 
 def serve_command(args: argparse.Namespace) -> int:
-    from cluster.local_redis import LocalRedis, RedisBinaryNotFound
+    from prefixserve.cluster.local_redis import LocalRedis, RedisBinaryNotFound
 
     try:
         fields = config_from_args(args)
@@ -153,7 +153,7 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from cluster.app import build_app, serve_logging
+    from prefixserve.cluster.app import build_app, serve_logging
 
     stop = threading.Event()
 

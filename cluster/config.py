@@ -21,12 +21,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from cluster.ingress_config import ENV_DEFAULTS, IngressConfig
-from router.index import REDIS_URL_ENV, IndexSettings
-from router.router_state import RouterSettings
-from router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
-from router.secret_refs import env_reference, is_reference, url_has_secret
-from workers.checkpoints import (
+from prefixserve.cluster.ingress_config import ENV_DEFAULTS, IngressConfig
+from prefixserve.router.index import REDIS_URL_ENV, IndexSettings
+from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
+from prefixserve.router.secret_refs import env_reference, is_reference, url_has_secret
+from prefixserve.workers.checkpoints import (
     BUILTIN_MODEL_NAME,
     DEFAULT_MODEL,
     KNOWN_MODELS,
@@ -35,8 +35,8 @@ from workers.checkpoints import (
     resolve_checkpoint,
     served_name,
 )
-from workers.engine_types import EngineConfig
-from workers.sim import profiles as sim
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.sim import profiles as sim
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 Policy = Literal[POLICY_NAMES]  # the names of router.routing_policies.ROUTING_POLICIES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from cluster.responses import ErrorResponse
+from prefixserve.cluster.responses import ErrorResponse
 
 
 class ApiError(Exception):

@@ -22,11 +22,11 @@ from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
-from cluster.errors import ApiError
-from cluster.responses import Usage
-from cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
-from router.request import GenerateRequest, TokenDelta, TokenLogprob
-from workers.errors import InvalidRequestError
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.responses import Usage
+from prefixserve.cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
+from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
+from prefixserve.workers.errors import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 

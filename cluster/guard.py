@@ -36,8 +36,8 @@ from typing import Any, ClassVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from cluster.errors import ApiError
-from cluster.ingress_config import (
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.ingress_config import (
     DEFAULT_BODY_READ_TIMEOUT_S,
     DEFAULT_IDLE_STREAM_TIMEOUT_S,
     DEFAULT_MAX_REQUEST_LOGPROBS,

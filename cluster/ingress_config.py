@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from cluster.tokenizer import TokenizerError, compile_chat_template
+from prefixserve.cluster.tokenizer import TokenizerError, compile_chat_template
 
 DEFAULT_MAX_REQUEST_TOKENS = 2**18
 DEFAULT_MAX_REQUEST_LOGPROBS = 2**17

@@ -17,9 +17,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
-from cluster.generation import ChoiceDelta, Generation, to_api_error
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.responses import (
+from prefixserve.cluster.generation import ChoiceDelta, Generation, to_api_error
+from prefixserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from prefixserve.cluster.responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -36,7 +36,7 @@ from cluster.responses import (
     Usage,
     now,
 )
-from cluster.tokenizer import Tokenizer
+from prefixserve.cluster.tokenizer import Tokenizer
 
 WORKER_HEADER = "x-prefixserve-worker"
 

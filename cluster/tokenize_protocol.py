@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from cluster.protocol import ChatMessage, _Request
+from prefixserve.cluster.protocol import ChatMessage, _Request
 
 
 class TokenizeRequest(_Request):

@@ -30,7 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 from tokenizers import Tokenizer as HFTokenizer
 
-from workers.byte_level import bytes_to_unicode
+from prefixserve.workers.byte_level import bytes_to_unicode
 
 # ChatML, used when the checkpoint ships no chat template.
 DEFAULT_CHAT_TEMPLATE = (
@@ -83,8 +83,8 @@ def _load(path: Path) -> tuple[HFTokenizer, dict[str, Any], Path | None]:
     bare `tokenizer.json`, and the directory a `chat_template.jinja` may sit in (None for a
     GGUF: its template is in its metadata)."""
     if path.suffix.lower() == ".gguf" and not path.is_dir():
-        from workers.gguf import GGUFFile  # numpy/torch: only when serving a GGUF
-        from workers.gguf_tokenizer import build_tokenizer, tokenizer_config
+        from prefixserve.workers.gguf import GGUFFile  # numpy/torch: only when serving a GGUF
+        from prefixserve.workers.gguf_tokenizer import build_tokenizer, tokenizer_config
 
         gguf = GGUFFile(path)
         return build_tokenizer(gguf), tokenizer_config(gguf), None

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from router.blocks import DIGEST_BYTES, Chain
+from prefixserve.router.blocks import DIGEST_BYTES, Chain
 
 
 class EventDecodeError(ValueError):

@@ -7,37 +7,27 @@ a lease alive with their load (:meth:`PrefixIndex.heartbeat`); routers ask
 The index is advisory: every call has a deadline and raises :class:`IndexUnavailable` fast when
 the store is slow, down or refusing, so the caller can route on load alone and keep serving.
 
-:class:`PrefixIndex` is the protocol both depend on; :func:`open_index` picks the store by the
-URL's scheme from :data:`INDEX_STORES`. A new store is one module with a class taking
-``(url, model, *, deadline_s, settings)`` plus one entry there. The Redis store is
-:mod:`router.redis_index`. :class:`IndexSettings` is the index section of the cluster config.
+:class:`PrefixIndex` is the protocol both depend on; :func:`router.index_stores.open_index`
+picks the store by the URL's scheme. The Redis store is :mod:`router.redis_index`.
+:class:`IndexSettings` is the index section of the cluster config.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import importlib
 from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.events import EventBatch, WorkerLoad
+from prefixserve.router.events import EventBatch, WorkerLoad
 
 REDIS_URL_ENV = "PREFIXSERVE_REDIS_URL"  # where routers and workers find the index by default
 # A block's key in the index: its digest's first 8 bytes (64 bits name 20M blocks with a
 # collision chance near 1e-5, and a collision only misroutes; lua/_key.lua).
 INDEX_KEY_BYTES = 8
-
-# URL scheme -> "module:class" of the store serving it (imported on first use, so a process
-# only loads the client library of the store it uses).
-INDEX_STORES: dict[str, str] = {
-    **dict.fromkeys(("redis", "rediss", "unix"), "router.redis_index:RedisPrefixIndex"),
-}
-
 
 class IndexSettings(BaseModel):
     """The index section of the cluster config: what every client of one index agrees on."""
@@ -246,34 +236,6 @@ class PrefixIndex(Protocol):
     async def close(self) -> None:
         """Release the connection."""
         ...
-
-
-def open_index(
-    url: str,
-    model: str,
-    *,
-    deadline_s: float,
-    settings: IndexSettings | None = None,
-) -> PrefixIndex:
-    """The index of ``model`` in the store ``url`` names (chosen by its scheme).
-
-    ``deadline_s`` bounds the caller's frequent calls (lookups for a router, events for a
-    worker); ``settings`` holds the rest (default: :class:`IndexSettings`).
-    """
-    scheme = urlsplit(url).scheme
-    target = INDEX_STORES.get(scheme)
-    if target is None:
-        known = ", ".join(f"{s}://" for s in INDEX_STORES)
-        raise ValueError(f"no prefix index store serves {scheme or 'scheme-less'} URLs ({known})")
-    module, _, name = target.partition(":")
-    store = getattr(importlib.import_module(module), name)
-    settings = settings or IndexSettings()
-    if settings.shards == 1:
-        return store(url, model, deadline_s=deadline_s, settings=settings)
-    from router.sharded_index import ShardedPrefixIndex  # here: it imports this module
-
-    return ShardedPrefixIndex(
-        model, settings, lambda group: store(url, group, deadline_s=deadline_s, settings=settings))
 
 
 _T = TypeVar("_T")

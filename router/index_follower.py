@@ -25,11 +25,11 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from router.blocks import DIGEST_BYTES, Chain
-from router.events import WorkerLoad, decode_events
-from router.index import EventLog, LogEntry, LookupResult, PrefixIndex, WorkerMatch
-from router.local_index import KEY, LocalIndex, PredictedBlocks
-from router.sharded_index import GROUP_SPAN, ShardedPrefixIndex
+from prefixserve.router.blocks import DIGEST_BYTES, Chain
+from prefixserve.router.events import WorkerLoad, decode_events
+from prefixserve.router.index import EventLog, LogEntry, LookupResult, PrefixIndex, WorkerMatch
+from prefixserve.router.local_index import KEY, LocalIndex, PredictedBlocks
+from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex
 
 # Not Serve's logger: its records read Ray's runtime context, and a router's follower may
 # outlive Ray in its process (a handle kept past serve.shutdown()).

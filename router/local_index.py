@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, KeysView, Mapping
 
-from router.blocks import DIGEST_BYTES, BlockHash, Chain
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from router.index import INDEX_KEY_BYTES
+from prefixserve.router.blocks import DIGEST_BYTES, BlockHash, Chain
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixserve.router.index import INDEX_KEY_BYTES
 
 KEY = INDEX_KEY_BYTES
 

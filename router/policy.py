@@ -63,8 +63,8 @@ from typing import Any
 
 import numpy as np
 
-from router.blocks import DEFAULT_BLOCK_SIZE
-from router.events import WorkerLoad
+from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
+from prefixserve.router.events import WorkerLoad
 
 
 def _weight(default: float, description: str) -> Any:

@@ -41,8 +41,14 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from router.events import EventBatch, KVEvent, WorkerLoad
-from router.index import IndexUnavailable, PrefixIndex, ResultCode, StaleEpoch, UnknownWorker
+from prefixserve.router.events import EventBatch, KVEvent, WorkerLoad
+from prefixserve.router.index import (
+    IndexUnavailable,
+    PrefixIndex,
+    ResultCode,
+    StaleEpoch,
+    UnknownWorker,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

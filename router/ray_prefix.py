@@ -16,8 +16,8 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
     PrefixCacheAffinityRouter,
 )
 
-from router.request import GenerateRequest
-from router.serve_compat import PendingRequest, ServeRequestRouter
+from prefixserve.router.request import GenerateRequest
+from prefixserve.router.serve_compat import PendingRequest, ServeRequestRouter
 
 TOKEN_CHAR_BASE = 0xE000  # private use area, past the surrogates (0xD800-0xDFFF)
 

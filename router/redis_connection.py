@@ -29,7 +29,7 @@ from redis.exceptions import (
 )
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.index import IndexUnavailable
+from prefixserve.router.index import IndexUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -66,9 +66,9 @@ from redis.exceptions import (
     RedisError,
 )
 
-from router import redis_scripts
-from router.blocks import DIGEST_BYTES
-from router.events import (
+from prefixserve.router import redis_scripts
+from prefixserve.router.blocks import DIGEST_BYTES
+from prefixserve.router.events import (
     EventBatch,
     EventDecodeError,
     WorkerLoad,
@@ -77,7 +77,7 @@ from router.events import (
     encode_load,
     pack_digests,
 )
-from router.index import (
+from prefixserve.router.index import (
     INDEX_KEY_BYTES,
     IndexSettings,
     IndexUnavailable,
@@ -88,7 +88,7 @@ from router.index import (
     WorkerMatch,
     expect,
 )
-from router.redis_connection import CALL_DEADLINE, connect, unavailable
+from prefixserve.router.redis_connection import CALL_DEADLINE, connect, unavailable
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ SCRIPTS = (
 
 
 def _read(name: str) -> str:
-    return files("router").joinpath("lua", name).read_text(encoding="utf-8")
+    return files("prefixserve.router").joinpath("lua", name).read_text(encoding="utf-8")
 
 
 def _expand(name: str, included: set[str]) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.blocks import token_array
+from prefixserve.router.blocks import token_array
 
 
 @dataclass

@@ -47,20 +47,14 @@ from typing import Any
 import ray
 from ray.util import metrics
 
-from router.blocks import Chain
-from router.index import (
-    REDIS_URL_ENV,
-    IndexSettings,
-    LookupResult,
-    PrefixIndex,
-    open_index,
-    within,
-)
-from router.index_follower import IndexFollower, event_logs
-from router.request import GenerateRequest
-from router.router_state import Candidate, Prediction, RouterSettings, RouterState
-from router.secret_refs import SecretNotFound, resolve
-from router.serve_compat import (
+from prefixserve.router.blocks import Chain
+from prefixserve.router.index import REDIS_URL_ENV, IndexSettings, LookupResult, PrefixIndex, within
+from prefixserve.router.index_follower import IndexFollower, event_logs
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.request import GenerateRequest
+from prefixserve.router.router_state import Candidate, Prediction, RouterSettings, RouterState
+from prefixserve.router.secret_refs import SecretNotFound, resolve
+from prefixserve.router.serve_compat import (
     PendingRequest,
     ReplicaID,
     RunningReplica,

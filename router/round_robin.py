@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from router.serve_compat import (
+from prefixserve.router.serve_compat import (
     FIFOMixin,
     PendingRequest,
     RequestRouter,

@@ -30,10 +30,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.blocks import DEFAULT_BLOCK_SIZE, DIGEST_BYTES, Chain, ChainMemo, namespace
-from router.events import WorkerLoad
-from router.index import IndexSettings, LookupResult, WorkerInfo
-from router.policy import Fleet, PolicyConfig, Ranking, rank
+from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE, DIGEST_BYTES, Chain, ChainMemo, namespace
+from prefixserve.router.events import WorkerLoad
+from prefixserve.router.index import IndexSettings, LookupResult, WorkerInfo
+from prefixserve.router.policy import Fleet, PolicyConfig, Ranking, rank
 
 logger = logging.getLogger("ray.serve")
 

@@ -19,13 +19,15 @@ class RoutingPolicy:
 
 ROUTING_POLICIES: dict[str, RoutingPolicy] = {
     # KV-aware: ranks by estimated TTFT with prefix-cache credit from the index
-    "prefix": RoutingPolicy("router.request_router:PrefixAwareRequestRouter", needs_index=True),
+    "prefix": RoutingPolicy("prefixserve.router.request_router:PrefixAwareRequestRouter",
+                            needs_index=True),
     # Serve's power of two choices (by queue length)
     "pow2": RoutingPolicy(None, needs_index=False),
     # cache-blind rotation, the baseline
-    "round_robin": RoutingPolicy("router.round_robin:RoundRobinRequestRouter", needs_index=False),
+    "round_robin": RoutingPolicy("prefixserve.router.round_robin:RoundRobinRequestRouter",
+                                 needs_index=False),
     # Ray Serve's PrefixCacheAffinityRouter (its own prefix tree of routed prompts), the reference
-    "ray_prefix": RoutingPolicy("router.ray_prefix:RayPrefixRouter", needs_index=False),
+    "ray_prefix": RoutingPolicy("prefixserve.router.ray_prefix:RayPrefixRouter", needs_index=False),
 }
 
 POLICY_NAMES: tuple[str, ...] = tuple(ROUTING_POLICIES)

@@ -18,8 +18,14 @@ import dataclasses
 import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from router.events import EventBatch, WorkerLoad
-from router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode, WorkerInfo
+from prefixserve.router.events import EventBatch, WorkerLoad
+from prefixserve.router.index import (
+    IndexSettings,
+    LookupResult,
+    PrefixIndex,
+    ResultCode,
+    WorkerInfo,
+)
 
 GROUP_SPAN = 1 << 16  # a store's worker ids are 1..65535
 

@@ -19,7 +19,7 @@ import pytest
 import ray
 import ray.cluster_utils
 
-from cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.local_redis import LocalRedis, free_port
 
 TLS_PASSWORD = "tls-pw"
 

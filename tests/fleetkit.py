@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from router.blocks import DIGEST_BYTES
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.router.blocks import DIGEST_BYTES
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored
 
 
 def digests(rng: random.Random, n: int) -> list[bytes]:

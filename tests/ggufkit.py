@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from workers.byte_level import bytes_to_unicode
+from prefixserve.workers.byte_level import bytes_to_unicode
 
 QK_K = 256
 # Byte offsets of the fp16 scale fields in one 256-value block, and the block size in bytes.

@@ -12,9 +12,9 @@ import httpx
 import ray
 from ray import serve
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig
-from cluster.local_redis import free_port
+from prefixserve.cluster.app import build_app
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import free_port
 
 
 @contextmanager

@@ -15,14 +15,14 @@ import pytest
 from ray import serve
 from servekit import replica_logs, serve_app, wait_for
 
-from cluster.api import VERSION
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
-from cluster.render import WORKER_HEADER, sse, sse_body
-from cluster.responses import CompletionChoice, CompletionChunk
-from cluster.tokenizer import Tokenizer
-from workers.builtin import ensure_builtin_model
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.api import VERSION
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.render import WORKER_HEADER, sse, sse_body
+from prefixserve.cluster.responses import CompletionChoice, CompletionChunk
+from prefixserve.cluster.tokenizer import Tokenizer
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-test"
 METRICS_PORT = free_port()

@@ -24,11 +24,11 @@ from conftest import TLS_PASSWORD, TlsRedis
 from ray import serve
 from servekit import serve_app
 
-from cluster.config import REDIS_URL_ENV, ClusterConfig
-from cluster.local_redis import free_port
-from router.blocks import hash_chain, namespace
-from router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex, key_tag
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig
+from prefixserve.cluster.local_redis import free_port
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex, key_tag
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 
@@ -182,8 +182,8 @@ def test_serve_refuses_to_start_on_a_wrong_redis_url(tls_redis: TlsRedis, wrong:
         "no_password": tls_redis.url.replace(":tls-pw@", ""),
     }[wrong]
     proc = subprocess.run(
-        [sys.executable, "-m", "cluster", "serve", "--redis-url", url, "--num-workers", "1",
-         "--port", str(free_port())],
+        [sys.executable, "-m", "prefixserve.cluster", "serve", "--redis-url", url,
+         "--num-workers", "1", "--port", str(free_port())],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr

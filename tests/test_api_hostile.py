@@ -18,9 +18,9 @@ import pytest
 from ray import serve
 from servekit import serve_app
 
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 

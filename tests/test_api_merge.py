@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from ray.exceptions import ActorDiedError, TaskCancelledError
 
-from cluster.generation import MAX_WORKER_RETRIES, merge_streams, to_api_error
+from prefixserve.cluster.generation import MAX_WORKER_RETRIES, merge_streams, to_api_error
 
 
 class Stream:

@@ -15,12 +15,12 @@ from typing import ClassVar
 
 import pytest
 
-from bench.cli import main
-from bench.client import ClientConfig, Prompt, make_http_client, send
-from bench.load import LoadShape, arrival_offsets, run_load
-from bench.metrics import RequestResult
-from bench.runner import RunSpec, run_once
-from bench.workloads import MultiTurn, RandomPrompts, SharedPrefix, Tokens
+from prefixserve.bench.cli import main
+from prefixserve.bench.client import ClientConfig, Prompt, make_http_client, send
+from prefixserve.bench.load import LoadShape, arrival_offsets, run_load
+from prefixserve.bench.metrics import RequestResult
+from prefixserve.bench.runner import RunSpec, run_once
+from prefixserve.bench.workloads import MultiTurn, RandomPrompts, SharedPrefix, Tokens
 
 FIRST_DELAY = 0.25
 GAP = 0.05
@@ -265,7 +265,7 @@ async def test_open_loop_follows_arrivals_and_turns_wait_for_replies() -> None:
 
 
 def test_chat_endpoint_sends_decoded_text(server: str, tmp_path: Path) -> None:
-    from workers.builtin import ensure_builtin_model
+    from prefixserve.workers.builtin import ensure_builtin_model
 
     model = ensure_builtin_model()
     rc = main(["run", "--base-url", server, "--endpoint", "/v1/chat/completions",

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import math
 
-from bench.compare import side_by_side
-from bench.outputs import busiest_first_sums
-from bench.report import format_side_by_side, median_summary, pooled_label, ratio, tail_key
-from bench.runner import RunResult
+from prefixserve.bench.compare import side_by_side
+from prefixserve.bench.outputs import busiest_first_sums
+from prefixserve.bench.report import (
+    format_side_by_side,
+    median_summary,
+    pooled_label,
+    ratio,
+    tail_key,
+)
+from prefixserve.bench.runner import RunResult
 
 
 def point(label: str, throughput: float, ttft: float, workers: dict | None = None) -> RunResult:

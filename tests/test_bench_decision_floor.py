@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from bench.decision_floor import measure, table
+from prefixserve.bench.decision_floor import measure, table
 
 pytestmark = pytest.mark.cluster
 

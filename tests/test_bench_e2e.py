@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import main
+from prefixserve.bench.cli import main
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(240)]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.machine import CpuSample, busy_seconds, cpu_figures, sample, tree, tree_usage
+from prefixserve.bench.machine import CpuSample, busy_seconds, cpu_figures, sample, tree, tree_usage
 
 
 def test_busy_seconds_count_busy_states_and_steal_apart() -> None:

@@ -8,16 +8,16 @@ import re
 import numpy as np
 import pytest
 
-from bench.cli import build_parser
-from bench.load import arrival_offsets
-from bench.metrics import (
+from prefixserve.bench.cli import build_parser
+from prefixserve.bench.load import arrival_offsets
+from prefixserve.bench.metrics import (
     RequestResult,
     from_timeline,
     parse_goodput,
     percentile_key,
     summarize,
 )
-from bench.options import parse_percentile_metrics, parse_percentiles
+from prefixserve.bench.options import parse_percentile_metrics, parse_percentiles
 
 
 def _req(send: float, times: list[float], out: int, **kw) -> RequestResult:

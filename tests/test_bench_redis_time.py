@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import redis
 
-from bench.redis_time import SLOWLOG_MAX_LEN, script_sha, slowlog_ms, slowlog_on, slowlog_restore
-from router import redis_scripts
+from prefixserve.bench.redis_time import (
+    SLOWLOG_MAX_LEN,
+    script_sha,
+    slowlog_ms,
+    slowlog_on,
+    slowlog_restore,
+)
+from prefixserve.router import redis_scripts
 
 pytestmark = pytest.mark.cluster
 

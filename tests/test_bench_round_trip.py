@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from bench.round_trip import RoundTrips, measure, spin, timed_pings
+from prefixserve.bench.round_trip import RoundTrips, measure, spin, timed_pings
 
 pytestmark = pytest.mark.cluster
 

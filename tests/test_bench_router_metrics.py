@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from bench.report import format_side_by_side
-from bench.router_metrics import Histogram, parse, summarize
-from bench.runner import run_sweep
+from prefixserve.bench.report import format_side_by_side
+from prefixserve.bench.router_metrics import Histogram, parse, summarize
+from prefixserve.bench.runner import run_sweep
 
 TAGS = 'Component="core_worker",application="a",deployment="LLMWorker"'
 
@@ -64,7 +64,7 @@ def test_side_by_side_shows_rows_only_some_runs_have() -> None:
 
 
 def test_run_sweep_merges_measured_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    import bench.runner as runner
+    import prefixserve.bench.runner as runner
 
     calls: list[str] = []
 

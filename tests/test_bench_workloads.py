@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.workloads import (
+from prefixserve.bench.workloads import (
     MultiTurn,
     Rag,
     RandomPrompts,

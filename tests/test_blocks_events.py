@@ -7,7 +7,7 @@ import re
 import msgpack
 import pytest
 
-from router.blocks import (
+from prefixserve.router.blocks import (
     ROOT,
     BlockHasher,
     ChainMemo,
@@ -16,7 +16,7 @@ from router.blocks import (
     namespace,
     token_array,
 )
-from router.events import (
+from prefixserve.router.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from router.blocks import (
+from prefixserve.router.blocks import (
     DEFAULT_BLOCK_SIZE,
     ROOT,
     BlockHasher,

@@ -8,11 +8,11 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from workers.attention.metadata import AttentionMetadata
-from workers.builtin import BOS_ID, EOT_ID, VOCAB_SIZE, ensure_builtin_model
-from workers.kv_tensor import allocate_kv_cache
-from workers.models.config import load_model_config
-from workers.models.loader import load_model
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.builtin import BOS_ID, EOT_ID, VOCAB_SIZE, ensure_builtin_model
+from prefixserve.workers.kv_tensor import allocate_kv_cache
+from prefixserve.workers.models.config import load_model_config
+from prefixserve.workers.models.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -17,10 +17,10 @@ import pytest
 from test_tokenizer import _write_tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from cluster.config import ClusterConfig
-from cluster.ingress_config import IngressConfig
-from cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
-from workers.checkpoints import packaged_gguf
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.ingress_config import IngressConfig
+from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
+from prefixserve.workers.checkpoints import packaged_gguf
 
 LLAMA3 = """{{- bos_token }}
 {%- if not date_string is defined %}

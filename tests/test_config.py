@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import REDIS_URL_ENV, ClusterConfig, config_table, leaves
+from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig, config_table, leaves
 
 REDIS = "redis://127.0.0.1:6399/0"
 
@@ -63,7 +63,7 @@ def test_flat_dashed_and_nested_settings_build_one_tree() -> None:
 
 
 def test_router_weights_count_the_engines_blocks() -> None:
-    from router.router_state import RouterSettings
+    from prefixserve.router.router_state import RouterSettings
 
     settings = RouterSettings.model_validate({"block_size": 64, "weights": {"decode_weight": 1}})
     assert settings.weights.block_size == 64 and settings.weights.decode_weight == 1.0
@@ -140,7 +140,7 @@ def test_config_table_lists_every_field() -> None:
 
 
 def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None:
-    from cluster.cli import build_parser, config_from_args
+    from prefixserve.cluster.cli import build_parser, config_from_args
 
     file = tmp_path / "cluster.yaml"
     file.write_text("num_workers: 4\npolicy: round_robin\nblock_size: 32\n")
@@ -158,7 +158,7 @@ def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None
 
 
 def test_app_builder_validates_its_args() -> None:
-    from cluster.app import app_builder
+    from prefixserve.cluster.app import app_builder
 
     with pytest.raises(ValidationError, match="num_wrokers"):
         app_builder({"num_wrokers": "2", "policy": "pow2"})
@@ -170,7 +170,7 @@ def test_app_builder_validates_its_args() -> None:
 def test_cli_rejects_a_bad_config_before_starting_ray(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from cluster.cli import main
+    from prefixserve.cluster.cli import main
 
     assert main(["serve", "--model", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
@@ -183,8 +183,8 @@ def test_cli_rejects_a_bad_config_before_starting_ray(
 def test_a_missing_model_package_is_one_line_with_the_install_command(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from cluster.cli import main
-    from workers import checkpoints
+    from prefixserve.cluster.cli import main
+    from prefixserve.workers import checkpoints
 
     missing = checkpoints.PackagedModel("no_such_model_pkg", "x.gguf", "no-such-model-pkg==1.0")
     monkeypatch.setitem(checkpoints.PACKAGED_MODELS, checkpoints.DEFAULT_MODEL, missing)
@@ -195,7 +195,7 @@ def test_a_missing_model_package_is_one_line_with_the_install_command(
 
 
 def test_named_models_gguf_files_and_directories_resolve(tmp_path: Path) -> None:
-    from workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL, packaged_gguf
+    from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL, packaged_gguf
 
     assert ClusterConfig(redis_url=REDIS).model == DEFAULT_MODEL
     assert ClusterConfig(redis_url=REDIS).model_name() == DEFAULT_MODEL

@@ -21,12 +21,12 @@ from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import app_builder
-from cluster.config import REDIS_URL_ENV, ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
-from cluster.render import WORKER_HEADER
-from router.request_router import PrefixAwareRequestRouter
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.app import app_builder
+from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.render import WORKER_HEADER
+from prefixserve.router.request_router import PrefixAwareRequestRouter
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SERVE_CONFIG = DEPLOY / "serve_config.yaml"
@@ -53,7 +53,7 @@ def test_every_yaml_parses() -> None:
 def test_serve_config_schema_import_path_and_args() -> None:
     config = ServeDeploySchema.model_validate(load(SERVE_CONFIG))
     (app,) = config.applications
-    assert app.import_path == "cluster.app:app_builder"
+    assert app.import_path == "prefixserve.cluster.app:app_builder"
     assert app.route_prefix == "/"
     module, attr = app.import_path.split(":")
     assert getattr(__import__(module, fromlist=[attr]), attr) is app_builder
@@ -65,7 +65,8 @@ def test_serve_config_schema_import_path_and_args() -> None:
     workers = {d.name: d for d in app.deployments}["LLMWorker"]
     assert workers.ray_actor_options.num_gpus == 1
     router = workers.request_router_config
-    assert router["request_router_class"] == "router.request_router:PrefixAwareRequestRouter"
+    assert router["request_router_class"] == (
+        "prefixserve.router.request_router:PrefixAwareRequestRouter")
     module, attr = router["request_router_class"].split(":")
     assert getattr(__import__(module, fromlist=[attr]), attr) is PrefixAwareRequestRouter
     settings = router["request_router_kwargs"]["settings"]

@@ -22,15 +22,16 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from cluster.app import build_app
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis, free_port
-from cluster.render import WORKER_HEADER
-from router.blocks import hash_chain, namespace
-from router.index import IndexSettings, WorkerInfo, open_index
-from router.sharded_index import GROUP_SPAN, group_of
-from workers.builtin import ensure_builtin_model
-from workers.checkpoints import BUILTIN_MODEL_NAME, checkpoint_fingerprint
+from prefixserve.cluster.app import build_app
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.render import WORKER_HEADER
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.index import IndexSettings, WorkerInfo
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.sharded_index import GROUP_SPAN, group_of
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, checkpoint_fingerprint
 
 LEASE_TTL_S = 3.0
 INDEX = IndexSettings(shards=2, lease_ttl_s=LEASE_TTL_S)

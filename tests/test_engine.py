@@ -21,14 +21,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from router.blocks import hash_chain
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
-from workers.engine import LLMEngine
-from workers.engine_types import EngineConfig
-from workers.errors import InvalidRequestError
-from workers.kv_tensor import kv_bytes_per_token
-from workers.models.config import load_model_config
-from workers.sampling import SamplingParams
+from prefixserve.router.blocks import hash_chain
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.kv_tensor import kv_bytes_per_token
+from prefixserve.workers.models.config import load_model_config
+from prefixserve.workers.sampling_params import SamplingParams
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -152,7 +152,7 @@ def test_preemption_by_recompute(llama) -> None:
 
 def test_default_context_is_capped_to_the_pool(llama, caplog) -> None:
     path, model = llama
-    with caplog.at_level("WARNING", logger="workers.engine"):
+    with caplog.at_level("WARNING", logger="prefixserve.workers.engine"):
         eng = engine(path, num_blocks=4)  # 16 token slots; the model's context is 256
     assert eng.max_model_len == 16
     assert "max_model_len capped to 16 tokens" in caplog.text and "256" in caplog.text
@@ -472,7 +472,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, m
 def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
     path, _ = llama
     per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv heads x head_dim x fp32 bytes
-    with caplog.at_level("INFO", logger="workers.kv_tensor"):
+    with caplog.at_level("INFO", logger="prefixserve.workers.kv_tensor"):
         eng = engine(path, num_blocks=None, kv_cache_memory_bytes=per_token * 4 * 10 + 100)
     assert eng.kv.num_total_blocks == 10
     assert tuple(eng.kv_cache.shape) == (2, 2, 10, 4, 2, 16)

@@ -8,14 +8,14 @@ from collections.abc import Callable
 import pytest
 from test_kv_cache import BS, admit, chain, check_invariants
 
-from router.blocks import hash_chain
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from workers.builtin import ensure_builtin_model
-from workers.engine import LLMEngine
-from workers.engine_types import EngineConfig
-from workers.errors import StepFailedError
-from workers.kv_cache import KVCacheManager
-from workers.sampling import SamplingParams
+from prefixserve.router.blocks import hash_chain
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.errors import StepFailedError
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.sampling_params import SamplingParams
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -7,7 +7,7 @@ import math
 import msgpack
 import pytest
 
-from router.events import (
+from prefixserve.router.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from servekit import serve_app, wait_for
 
-from bench.soak import (
+from prefixserve.bench.soak import (
     CANCELLED,
     CLEAN_ERROR,
     FAILED,
@@ -37,13 +37,14 @@ from bench.soak import (
     worker_ids,
     worker_stats,
 )
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.index import PrefixIndex, open_index
-from router.redis_index import INDEX_KEY_BYTES
-from router.request_router import NoSuchReplica
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.index import PrefixIndex
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.redis_index import INDEX_KEY_BYTES
+from prefixserve.router.request_router import NoSuchReplica
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-faults"
 MODEL = "prefixserve-tiny"
@@ -202,7 +203,7 @@ def test_junk_in_the_index_under_load_never_fails_a_request(
 ) -> None:
     import redis as redis_lib
 
-    from router.redis_index import key_tag
+    from prefixserve.router.redis_index import key_tag
 
     stats = worker_stats(APP)
     (_, sa), (_, sb) = sorted(stats.items())

@@ -20,12 +20,18 @@ import msgpack
 import pytest
 import redis
 
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.events import BlockStored, EventBatch, EventDecodeError, WorkerLoad, decode_load
-from router.index import IndexSettings, IndexUnavailable, ResultCode, UnknownWorker
-from router.publisher import EventPublisher
-from router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import (
+    BlockStored,
+    EventBatch,
+    EventDecodeError,
+    WorkerLoad,
+    decode_load,
+)
+from prefixserve.router.index import IndexSettings, IndexUnavailable, ResultCode, UnknownWorker
+from prefixserve.router.publisher import EventPublisher
+from prefixserve.router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex
 
 pytestmark = pytest.mark.cluster
 
@@ -122,7 +128,7 @@ async def test_corrupt_worker_record_skips_that_worker_and_it_recovers(
     ch = chain_of(3, 3)
     a, _b = await two_workers(index, ch)
     raw.hset(key(index, f"w:{a}"), mapping={"epoch": "garbage", "bs": "x"})
-    with caplog.at_level(logging.WARNING, logger="router.index"):
+    with caplog.at_level(logging.WARNING, logger="prefixserve.router.index"):
         assert await depths(index, ch) == {"B": 2}  # A is skipped, B still routed
     assert "corrupt" in caplog.text
     # A's publisher: its batch asks for a resync, the resync finds it unregistered, it

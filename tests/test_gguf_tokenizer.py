@@ -18,9 +18,9 @@ from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoTokenizer
 
-from cluster.tokenizer import Tokenizer
-from workers.gguf import GGUFError, GGUFFile
-from workers.gguf_tokenizer import (
+from prefixserve.cluster.tokenizer import Tokenizer
+from prefixserve.workers.gguf import GGUFError, GGUFFile
+from prefixserve.workers.gguf_tokenizer import (
     build_tokenizer,
     merges_from_scores,
     tokenizer_config,

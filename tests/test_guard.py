@@ -13,10 +13,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig
-from cluster.errors import ApiError
-from cluster.guard import Guard, GuardSettings, key_digest, tenant_salt
-from cluster.ingress_config import API_KEYS_ENV, IngressConfig
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.guard import Guard, GuardSettings, key_digest, tenant_salt
+from prefixserve.cluster.ingress_config import API_KEYS_ENV, IngressConfig
 
 SECRET = b"s" * 32
 

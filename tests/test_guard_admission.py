@@ -22,12 +22,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from cluster.config import ClusterConfig
-from cluster.errors import ApiError
-from cluster.guard import Guard, GuardSettings, key_digest
-from cluster.ingress_config import IngressConfig
-from cluster.local_redis import free_port
-from cluster.render import ClosingStreamingResponse
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.guard import Guard, GuardSettings, key_digest
+from prefixserve.cluster.ingress_config import IngressConfig
+from prefixserve.cluster.local_redis import free_port
+from prefixserve.cluster.render import ClosingStreamingResponse
 
 KEYS = {key_digest("key-a"): "a", key_digest("key-b"): "b"}
 A = {"Authorization": "Bearer key-a"}

@@ -6,11 +6,12 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from cluster import protocol
-from router.redis_connection import safe_url
-from workers import sampling
-from workers.errors import InvalidRequestError
-from workers.sampling import Sampler, SamplingParams
+from prefixserve.cluster import protocol
+from prefixserve.router.redis_connection import safe_url
+from prefixserve.workers import sampling
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.sampling import Sampler
+from prefixserve.workers.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -17,21 +17,26 @@ import pytest
 import redis
 from conftest import TlsRedis
 
-from cluster.local_redis import LocalRedis, free_port
-from router.blocks import hash_chain, namespace
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from router.index import (
-    INDEX_STORES,
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    WorkerLoad,
+)
+from prefixserve.router.index import (
     IndexSettings,
     IndexUnavailable,
     ResultCode,
     StaleEpoch,
     UnknownWorker,
     expect,
-    open_index,
     within,
 )
-from router.redis_index import (
+from prefixserve.router.index_stores import INDEX_STORES, open_index
+from prefixserve.router.redis_index import (
     _MAX_TAILS,
     INDEX_KEY_BYTES,
     RedisPrefixIndex,
@@ -39,7 +44,7 @@ from router.redis_index import (
     match_depths,
     tail_record,
 )
-from router.redis_scripts import SCRIPTS, source
+from prefixserve.router.redis_scripts import SCRIPTS, source
 
 NS = namespace("test-model")
 
@@ -945,7 +950,7 @@ def test_open_index_picks_the_store_by_scheme(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_lua_result_codes_match_the_enum() -> None:
-    codes = (files("router") / "lua" / "_codes.lua").read_text()
+    codes = (files("prefixserve.router") / "lua" / "_codes.lua").read_text()
     names, values = re.search(r"local ([A-Z_, ]+) = ([0-9, ]+)", codes).groups()
     lua = dict(zip(names.split(", "), map(int, values.split(", ")), strict=True))
     assert lua == {code.name: code.value for code in ResultCode}

@@ -12,12 +12,13 @@ import pytest
 import redis
 from fleetkit import Fleet, digests
 
-from cluster.local_redis import LocalRedis
-from router.blocks import Chain
-from router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode, open_index
-from router.index_follower import IndexFollower, event_logs
-from router.redis_index import key_tag
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import Chain
+from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
+from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode
+from prefixserve.router.index_follower import IndexFollower, event_logs
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.redis_index import key_tag
 
 pytestmark = pytest.mark.cluster
 

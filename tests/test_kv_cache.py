@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from router.blocks import BlockHasher, hash_chain, namespace
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored
-from workers.kv_cache import BlockPool, KVCacheManager
+from prefixserve.router.blocks import BlockHasher, hash_chain, namespace
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.workers.kv_cache import BlockPool, KVCacheManager
 
 BS = 4
 NS = namespace("fp")

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from router.blocks import hash_chain, namespace
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored
-from workers.kv_cache import Block, BlockPool, FreeBlockQueue, KVCacheManager, cdiv
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored
+from prefixserve.workers.kv_cache import Block, BlockPool, FreeBlockQueue, KVCacheManager, cdiv
 
 BS = 4
 NS = namespace("kv-invariants")

@@ -1,4 +1,6 @@
-"""The layering of the four packages, read from the source with `ast` (nothing is imported):
+"""The layering of the four packages, read from the source with `ast` (nothing is imported).
+They install under one namespace (`prefixserve.router`, ...); below, modules go by their path in
+the repository (`router.blocks`), and an import that skips the namespace is refused.
 `router` knows nothing of `workers`, `cluster` or `bench`; `workers` uses only router's
 protocol and index modules; `cluster` never imports `bench`; inside `bench` only the entry points
 import the CLI; and no module-level imports form a cycle. Every failure names the edges
@@ -14,11 +16,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("router", "workers", "cluster", "bench")
+NAMESPACE = "prefixserve"
 
 # What `workers` may take from `router`: the block/event/request protocol, the index seam and
 # the publisher that feeds it. Nothing of the routing policies or the Serve router.
-WORKERS_MAY_IMPORT = {"router.blocks", "router.events", "router.index", "router.publisher",
-                      "router.request", "router.secret_refs"}
+WORKERS_MAY_IMPORT = {"router.blocks", "router.events", "router.index", "router.index_stores",
+                      "router.publisher", "router.request", "router.secret_refs"}
 
 
 def module_name(path: Path) -> str:
@@ -63,12 +66,19 @@ def is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
+def in_namespace(name: str) -> str | None:
+    """`prefixserve.router.blocks` -> `router.blocks`; None for anything outside the project."""
+    head, _, rest = name.partition(".")
+    return rest if head == NAMESPACE and package(rest) in PACKAGES else None
+
+
 class ImportCollector(ast.NodeVisitor):
     def __init__(self, source: str) -> None:
         self.source = source
-        self.is_package = MODULES[source].name == "__init__.py"
+        self.is_package = source in MODULES and MODULES[source].name == "__init__.py"
         self.lazy = 0  # inside a function body or an `if TYPE_CHECKING:` block
         self.edges: list[Edge] = []
+        self.bare: list[Edge] = []  # `import router...`: outside the installed namespace
 
     def _add(self, target: str | None, node: ast.stmt) -> None:
         if target is not None and target != self.source:
@@ -99,10 +109,16 @@ class ImportCollector(ast.NodeVisitor):
         else:
             self.generic_visit(node)
 
+    def _absolute(self, name: str, node: ast.stmt) -> str | None:
+        if package(name) in PACKAGES:
+            self.bare.append(Edge(self.source, name, node.lineno, self.lazy == 0))
+        return in_namespace(name)
+
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
-            if package(alias.name) in PACKAGES:
-                self._add(project_module(alias.name), node)
+            name = self._absolute(alias.name, node)
+            if name is not None:
+                self._add(project_module(name), node)
 
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         if node.level:  # relative: from the importing module's package, up level - 1
@@ -112,24 +128,30 @@ class ImportCollector(ast.NodeVisitor):
             base = base[:len(base) - (node.level - 1)]
             module = ".".join([*base, *([node.module] if node.module else [])])
         else:
-            module = node.module or ""
+            module = self._absolute(node.module or "", node) or ""
         if package(module) not in PACKAGES:
             return
-        for alias in node.names:  # `from router import blocks` imports the module router.blocks
+        for alias in node.names:  # `from prefixserve.router import blocks`: router.blocks
             submodule = f"{module}.{alias.name}"
             self._add(submodule if submodule in MODULES else project_module(module), node)
 
 
-def collect_edges() -> list[Edge]:
-    edges = []
+def collect_edges(paths: list[Path]) -> tuple[list[Edge], list[Edge]]:
+    """The project edges, and the imports that skip the namespace, of every source module."""
+    edges, bare = [], []
     for name, path in MODULES.items():
         collector = ImportCollector(name)
         collector.visit(ast.parse(path.read_text(), filename=str(path)))
         edges.extend(collector.edges)
-    return edges
+        bare.extend(collector.bare)
+    for path in paths:  # modules outside the packages (tests) only count for bare imports
+        collector = ImportCollector("")
+        collector.visit(ast.parse(path.read_text(), filename=str(path)))
+        bare.extend(collector.bare)
+    return edges, bare
 
 
-EDGES = collect_edges()
+EDGES, BARE = collect_edges(sorted((ROOT / "tests").glob("*.py")))
 
 
 def offending(edges: list[Edge]) -> str:
@@ -142,8 +164,13 @@ def test_the_graph_is_read_at_every_depth() -> None:
     assert "workers.models.config" in MODULES  # subpackages too
     pairs = {(e.source, e.target): e for e in EDGES}
     assert pairs[("workers.kv_cache", "router.events")].at_import_time
-    assert ("workers.engine_core", "router.blocks") in pairs  # `from router import blocks`
+    assert ("workers.engine_core", "router.blocks") in pairs  # `from ...router import blocks`
     assert not pairs[("bench.soak", "bench.launch")].at_import_time  # a function-level import
+
+
+def test_every_import_goes_through_the_prefixserve_namespace() -> None:
+    """A bare `import router...` would load a second copy of a module (or nothing, installed)."""
+    assert not BARE, f"import these as {NAMESPACE}.<name>:{offending(BARE)}"
 
 
 def test_router_imports_nothing_from_workers_cluster_or_bench() -> None:
@@ -206,6 +233,23 @@ def find_cycle(edges: list[Edge]) -> list[Edge] | None:
 def test_no_import_cycles_at_import_time() -> None:
     cycle = find_cycle([e for e in EDGES if e.at_import_time])
     assert cycle is None, f"module-level imports form a cycle:{offending(cycle or [])}"
+
+
+def test_no_import_cycles_at_any_depth() -> None:
+    """A lazy import that closes a circle still ties the two modules into one."""
+    cycle = find_cycle(EDGES)
+    assert cycle is None, f"imports form a cycle:{offending(cycle or [])}"
+
+
+MAX_LINES = 400  # per source file of the product packages; bench/ holds scripts
+
+
+def test_no_product_source_file_is_over_the_line_cap() -> None:
+    lines = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()
+             if package(name) in ("router", "workers", "cluster")}
+    assert lines["router.blocks"] > 100  # read, not empty
+    big = {name: n for name, n in lines.items() if n > MAX_LINES}
+    assert not big, f"over {MAX_LINES} lines, split by job: {big}"
 
 
 def test_find_cycle_names_each_edge_of_the_cycle() -> None:

@@ -8,12 +8,12 @@ import random
 import pytest
 from fleetkit import Fleet, digests, reference
 
-from cluster.local_redis import LocalRedis
-from router.blocks import Chain
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.index import IndexSettings, ResultCode
-from router.local_index import LocalIndex, PredictedBlocks
-from router.redis_index import RedisPrefixIndex
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import Chain
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from prefixserve.router.index import IndexSettings, ResultCode
+from prefixserve.router.local_index import LocalIndex, PredictedBlocks
+from prefixserve.router.redis_index import RedisPrefixIndex
 
 
 @pytest.mark.parametrize("seed", range(6))

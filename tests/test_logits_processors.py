@@ -12,8 +12,14 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
-from workers.logits_processors import TokenHistory, apply_min_p, needs_history, process_logits
-from workers.sampling import Sampler, SamplingParams, make_generator
+from prefixserve.workers.logits_processors import (
+    TokenHistory,
+    apply_min_p,
+    needs_history,
+    process_logits,
+)
+from prefixserve.workers.sampling import Sampler, make_generator
+from prefixserve.workers.sampling_params import SamplingParams
 
 V = 40
 

@@ -17,9 +17,9 @@ import ray.dashboard.modules.metrics.dashboards as ray_dashboards
 import yaml
 from test_router_state import ABC, TOKENS_A, lookup, state
 
-from router.router_state import Outcome
-from workers.engine_types import EngineStats, RequestOutput
-from workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
+from prefixserve.router.router_state import Outcome
+from prefixserve.workers.engine_types import EngineStats, RequestOutput
+from prefixserve.workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 
 ROOT = Path(__file__).resolve().parent.parent
 PANELS = Path(ray_dashboards.__file__).parent / "serve_llm_dashboard_panels.py"

@@ -14,12 +14,12 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.torch_sdpa import sdpa_plan
-from workers.errors import UnsupportedModelError
-from workers.kv_tensor import allocate_kv_cache, copy_blocks, kv_bytes_per_token
-from workers.models.config import load_model_config, parse_config
-from workers.models.loader import load_model
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.torch_sdpa import sdpa_plan
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kv_tensor import allocate_kv_cache, copy_blocks, kv_bytes_per_token
+from prefixserve.workers.models.config import load_model_config, parse_config
+from prefixserve.workers.models.loader import load_model
 
 BS = 4  # small blocks so short prompts span many of them
 ATOL = 1e-4

@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from router.events import WorkerLoad
-from router.policy import PolicyConfig, WorkerView, rank, rendezvous, score
+from prefixserve.router.events import WorkerLoad
+from prefixserve.router.policy import PolicyConfig, WorkerView, rank, rendezvous, score
 
 CFG = PolicyConfig(block_size=16, default_prefill_tokens_per_s=4000.0)
 

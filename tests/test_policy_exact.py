@@ -7,8 +7,8 @@ from dataclasses import fields, replace
 
 import pytest
 
-from router.events import WorkerLoad
-from router.policy import (
+from prefixserve.router.events import WorkerLoad
+from prefixserve.router.policy import (
     Fleet,
     PolicyConfig,
     Score,

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from cluster.tokenizer import Tokenizer
-from workers.builtin import ensure_builtin_model
-from workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
+from prefixserve.cluster.tokenizer import Tokenizer
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 
 
 @pytest.fixture(scope="module", params=["builtin", DEFAULT_MODEL])

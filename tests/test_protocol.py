@@ -7,8 +7,12 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, format_validation_error
-from cluster.responses import ErrorResponse, Usage
+from prefixserve.cluster.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    format_validation_error,
+)
+from prefixserve.cluster.responses import ErrorResponse, Usage
 
 
 def _error(model: type, body: dict | str) -> tuple[str, str | None]:

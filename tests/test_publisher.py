@@ -11,11 +11,12 @@ import uuid
 import pytest
 import redis
 
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.events import BlockRemoved, BlockStored, KVEvent, WorkerLoad
-from router.index import IndexSettings, open_index
-from router.publisher import EventPublisher
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import BlockRemoved, BlockStored, KVEvent, WorkerLoad
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.publisher import EventPublisher
 
 pytestmark = pytest.mark.cluster
 
@@ -269,7 +270,7 @@ async def test_a_wrong_password_is_one_warning_with_the_reason(model: str, caplo
     holder: list[FakeEngine] = []
     pub = await make(f"redis://:wrong@127.0.0.1:{server.port}/0", model, "W9", holder)
     try:
-        with caplog.at_level(logging.WARNING, logger="router.publisher"):
+        with caplog.at_level(logging.WARNING, logger="prefixserve.router.publisher"):
             pub.start()
             await asyncio.sleep(1.5)  # several retries (backoff from 50 ms)
         warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

@@ -9,9 +9,9 @@ import httpx
 import pytest
 from servekit import serve_app
 
-from cluster.config import ClusterConfig
-from cluster.render import WORKER_HEADER
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.render import WORKER_HEADER
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 

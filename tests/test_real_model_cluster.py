@@ -11,9 +11,9 @@ import openai
 import pytest
 from servekit import serve_app
 
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis
-from workers.checkpoints import DEFAULT_MODEL
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.workers.checkpoints import DEFAULT_MODEL
 
 pytestmark = pytest.mark.cluster
 

@@ -9,15 +9,15 @@ import sys
 import pytest
 import torch
 
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.registry import BACKENDS, backend_for
-from workers.attention.torch_sdpa import TorchSDPABackend
-from workers.errors import UnsupportedModelError
-from workers.kv_tensor import allocate_kv_cache
-from workers.models.config import parse_config
-from workers.models.llama import LlamaForCausalLM
-from workers.models.loader import build_model
-from workers.models.registry import (
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.registry import BACKENDS, backend_for
+from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kv_tensor import allocate_kv_cache
+from prefixserve.workers.models.config import parse_config
+from prefixserve.workers.models.llama import LlamaForCausalLM
+from prefixserve.workers.models.loader import architecture_class, build_model
+from prefixserve.workers.models.registry import (
     ARCHITECTURES,
     Architecture,
     get_architecture,
@@ -60,7 +60,7 @@ def test_unknown_architecture_is_named_with_the_supported_ones() -> None:
 
 def test_llama_variants_share_one_class_and_differ_in_config() -> None:
     for name in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
-        assert get_architecture(name).model_class() is LlamaForCausalLM
+        assert architecture_class(get_architecture(name)) is LlamaForCausalLM
     assert gguf_architecture("qwen2").name == "Qwen2ForCausalLM"
     assert gguf_architecture("llama").gguf_qk_permuted
     assert not gguf_architecture("qwen2").gguf_qk_permuted

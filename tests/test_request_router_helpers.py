@@ -7,11 +7,11 @@ import pickle
 import pytest
 from ray.serve._private.common import DeploymentID
 
-from router.blocks import hash_chain, namespace, token_array
-from router.request import GenerateRequest
-from router.request_router import _generate_request, _request_key
-from router.router_state import RouterSettings, RouterState
-from router.serve_compat import (
+from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.request import GenerateRequest
+from prefixserve.router.request_router import _generate_request, _request_key
+from prefixserve.router.router_state import RouterSettings, RouterState
+from prefixserve.router.serve_compat import (
     PendingRequest,
     ReplicaID,
     RequestMetadata,

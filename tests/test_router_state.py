@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from router.blocks import Chain, hash_chain, namespace
-from router.events import WorkerLoad
-from router.index import LookupResult, WorkerInfo, WorkerMatch
-from router.policy import PolicyConfig, WorkerView, rank, rendezvous
-from router.router_state import (
+from prefixserve.router.blocks import Chain, hash_chain, namespace
+from prefixserve.router.events import WorkerLoad
+from prefixserve.router.index import LookupResult, WorkerInfo, WorkerMatch
+from prefixserve.router.policy import PolicyConfig, WorkerView, rank, rendezvous
+from prefixserve.router.router_state import (
     Candidate,
     LocalPredictions,
     Prediction,

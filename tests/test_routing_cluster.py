@@ -18,16 +18,17 @@ import ray
 from ray import serve
 from servekit import request_router, wait_for
 
-from cluster.app import request_router_config
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.index import IndexSettings, open_index
-from router.policy import rendezvous
-from router.request import GenerateRequest, TokenDelta
-from router.request_router import NoSuchReplica
-from router.router_state import RouterSettings
-from workers.builtin import ensure_builtin_model
-from workers.deployment import worker_deployment
+from prefixserve.cluster.app import request_router_config
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.policy import rendezvous
+from prefixserve.router.request import GenerateRequest, TokenDelta
+from prefixserve.router.request_router import NoSuchReplica
+from prefixserve.router.router_state import RouterSettings
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.deployment import worker_deployment
 
 MODEL = "tiny"
 BLOCK = 16

@@ -12,13 +12,14 @@ import ray
 from ray import serve
 from ray.cluster_utils import Cluster
 
-from cluster.app import request_router_config
-from cluster.local_redis import LocalRedis
-from router.index import IndexSettings, open_index
-from router.request import GenerateRequest, TokenDelta
-from router.router_state import RouterSettings
-from workers.builtin import ensure_builtin_model
-from workers.deployment import worker_deployment
+from prefixserve.cluster.app import request_router_config
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.request import GenerateRequest, TokenDelta
+from prefixserve.router.router_state import RouterSettings
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.deployment import worker_deployment
 
 MODEL = "tiny"
 BLOCK = 16

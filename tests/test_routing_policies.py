@@ -8,11 +8,11 @@ import typing
 import pytest
 from pydantic import ValidationError
 
-from cluster.config import ClusterConfig, Policy
-from router.ray_prefix import token_text
-from router.request import GenerateRequest
-from router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
-from router.serve_compat import RequestRouter
+from prefixserve.cluster.config import ClusterConfig, Policy
+from prefixserve.router.ray_prefix import token_text
+from prefixserve.router.request import GenerateRequest
+from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
+from prefixserve.router.serve_compat import RequestRouter
 
 REDIS = "redis://127.0.0.1:1/0"
 

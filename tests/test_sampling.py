@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from workers.errors import InvalidRequestError
-from workers.sampling import Sampler, SamplingParams, make_generator
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.sampling import Sampler, make_generator
+from prefixserve.workers.sampling_params import SamplingParams
 
 V = 50
 

@@ -7,17 +7,15 @@ import math
 import pytest
 import torch
 
-from workers.errors import InvalidRequestError
-from workers.logits_processors import TokenHistory
-from workers.sampling import (
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.logits_processors import TokenHistory
+from prefixserve.workers.sampling import Sampler, _truncate, make_generator
+from prefixserve.workers.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
-    Sampler,
     SamplingParams,
-    _truncate,
-    make_generator,
 )
 
 INF = float("inf")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from router.blocks import BlockHasher
-from workers.kv_cache import KVCacheManager
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
+from prefixserve.router.blocks import BlockHasher
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 BS = 4
 NS = b"\x01" * 16

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from cluster.app import app_builder
-from cluster.config import REDIS_URL_ENV, ClusterConfig
-from cluster.ingress_config import API_KEYS_ENV
-from router.secret_refs import SecretNotFound, resolve, url_has_secret
+from prefixserve.cluster.app import app_builder
+from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig
+from prefixserve.cluster.ingress_config import API_KEYS_ENV
+from prefixserve.router.secret_refs import SecretNotFound, resolve, url_has_secret
 
 SECRET_URL = "rediss://:s3cret@redis.example:6380/0"
 

@@ -7,12 +7,13 @@ import uuid
 import pytest
 import redis
 
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.events import BlockStored, EventBatch, WorkerLoad
-from router.index import IndexSettings, ResultCode, open_index
-from router.redis_index import key_tag
-from router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
+from prefixserve.router.index import IndexSettings, ResultCode
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.redis_index import key_tag
+from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
 
 SHARDS = 3
 NS = namespace("sharded")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from bench.simulate import merged_ceiling
-from router.blocks import hash_chain
+from prefixserve.bench.simulate import merged_ceiling
+from prefixserve.router.blocks import hash_chain
 
 A = list(range(9))  # 2 full blocks of 4 and one partial
 B = list(range(100, 109))

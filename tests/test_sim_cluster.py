@@ -10,11 +10,11 @@ import httpx
 import pytest
 from servekit import serve_app
 
-from cluster.config import ClusterConfig
-from cluster.local_redis import LocalRedis
-from cluster.render import WORKER_HEADER
-from workers import builtin
-from workers.sim import profiles
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.cluster.render import WORKER_HEADER
+from prefixserve.workers import builtin
+from prefixserve.workers.sim import profiles
 
 MODEL = "sim:cpu-smollm2"
 

@@ -13,13 +13,13 @@ from collections import defaultdict
 
 import pytest
 
-from workers.builtin import ensure_builtin_model
-from workers.engine import LLMEngine
-from workers.engine_types import BUSY_WINDOW_S, BusyShare, EngineConfig
-from workers.sampling import SamplingParams
-from workers.scheduler import Sequence
-from workers.sim.engine import SimEngine
-from workers.sim.profiles import CPU_SMOLLM2, H100_LLAMA3_8B, SimProfile, profile_for
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import BUSY_WINDOW_S, BusyShare, EngineConfig
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.scheduler import Sequence
+from prefixserve.workers.sim.engine import SimEngine
+from prefixserve.workers.sim.profiles import CPU_SMOLLM2, H100_LLAMA3_8B, SimProfile, profile_for
 
 CONFIG = EngineConfig(block_size=4, num_blocks=16, max_num_seqs=4, max_num_batched_tokens=24,
                       device="cpu", model_fingerprint="equivalence")
@@ -143,7 +143,7 @@ def test_busy_share_decays_over_its_window_and_reaches_the_load_report() -> None
 
 
 def test_a_replica_loads_a_sim_model_that_sleeps_its_steps() -> None:
-    from workers.deployment import _load_engine
+    from prefixserve.workers.deployment import _load_engine
 
     events: list = []
     eng = _load_engine("sim:cpu-smollm2", EngineConfig(num_blocks=64), events.append)

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.round_trip import RoundTrips
-from bench.sim_router import IndexSpec, RouterProcess, SimRouter, check_policy
-from bench.simulate import (
+from prefixserve.bench.round_trip import RoundTrips
+from prefixserve.bench.sim_router import IndexSpec, RouterProcess, SimRouter, check_policy
+from prefixserve.bench.simulate import (
     LEASE_TTL_S,
     SimRequest,
     Simulator,
@@ -25,11 +25,12 @@ from bench.simulate import (
     simulate,
     trace_requests,
 )
-from router.blocks import Chain, hash_chain, namespace
-from router.index import IndexSettings, open_index
-from router.policy import PolicyConfig
-from workers.engine_types import EngineConfig
-from workers.sim.profiles import H100_LLAMA3_8B
+from prefixserve.router.blocks import Chain, hash_chain, namespace
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.policy import PolicyConfig
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.sim.profiles import H100_LLAMA3_8B
 
 pytestmark = pytest.mark.cluster
 TRACE = Path(__file__).resolve().parents[1] / "bench/traces/mooncake_conversation_1000.jsonl"

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from starlette.requests import Request
 
-from cluster.api import VERSION, OpenAIIngress
-from cluster.config import ClusterConfig
-from cluster.errors import ApiError
-from cluster.guard import GuardSettings
-from cluster.ingress_config import IngressConfig
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.cluster.api import VERSION, OpenAIIngress
+from prefixserve.cluster.config import ClusterConfig
+from prefixserve.cluster.errors import ApiError
+from prefixserve.cluster.guard import GuardSettings
+from prefixserve.cluster.ingress_config import IngressConfig
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 MAX_MODEL_LEN = 64
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -119,7 +119,7 @@ def test_api_key_is_the_default_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_app_args_refuse_an_inline_api_key() -> None:
-    from cluster.app import app_builder
+    from prefixserve.cluster.app import app_builder
 
     with pytest.raises(ValueError, match="VLLM_API_KEY"):
         app_builder({"policy": "pow2", "api_key": "sk-inline"})

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from cluster.tokenizer import (
+from prefixserve.cluster.tokenizer import (
     DEFAULT_CHAT_TEMPLATE,
     StopChecker,
     Tokenizer,

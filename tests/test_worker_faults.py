@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from test_worker_replica import GREEDY, PROMPT, collect, make_worker, wait_idle
 
-from cluster.local_redis import LocalRedis
-from router.blocks import hash_chain, namespace
-from router.index import open_index
-from router.request import GenerateRequest
+from prefixserve.cluster.local_redis import LocalRedis
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.request import GenerateRequest
 
 pytestmark = pytest.mark.cluster
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 from test_worker_replica import GREEDY, PROMPT, collect, make_worker
 
-from router.request import GenerateRequest, TokenDelta
-from workers.deployment import LLMWorker
-from workers.scheduler import SchedulerOutput
+from prefixserve.router.request import GenerateRequest, TokenDelta
+from prefixserve.workers.deployment import LLMWorker
+from prefixserve.workers.scheduler import SchedulerOutput
 
 
 def wrap_execute(worker: LLMWorker, before: Callable[[], None]) -> None:

@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from cluster.local_redis import LocalRedis, free_port
-from router.blocks import hash_chain, namespace
-from router.index import open_index
-from router.request import GenerateRequest, TokenDelta, TokenLogprob
-from workers.builtin import ensure_builtin_model
-from workers.deployment import LLMWorker
-from workers.engine_loop import merge_steps
-from workers.engine_types import RequestOutput
-from workers.errors import InvalidRequestError
+from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.deployment import LLMWorker
+from prefixserve.workers.engine_loop import merge_steps
+from prefixserve.workers.engine_types import RequestOutput
+from prefixserve.workers.errors import InvalidRequestError
 
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8}
 PROMPT = [(i * 7) % 250 for i in range(40)]

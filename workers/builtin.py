@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from workers.byte_level import bytes_to_unicode
-from workers.cache import cached_directory, default_cache_dir
+from prefixserve.workers.byte_level import bytes_to_unicode
+from prefixserve.workers.cache import cached_directory, default_cache_dir
 
 BUILTIN_VERSION = 1
 SPECIAL_TOKENS = (

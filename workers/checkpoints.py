@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from workers.cache import cached_directory, default_cache_dir
+from prefixserve.workers.cache import cached_directory, default_cache_dir
 
 BUILTIN_MODEL_NAME = "prefixserve-tiny"
 CONVERTED_VERSION = 1  # bump when the converted layout changes: old directories are ignored
@@ -68,7 +68,7 @@ def packaged_gguf(name: str) -> Path:
 def locate(model: str) -> Path:
     """The GGUF file or checkpoint directory `model` names, checked but not converted."""
     if model == BUILTIN_MODEL_NAME:
-        from workers.builtin import ensure_builtin_model
+        from prefixserve.workers.builtin import ensure_builtin_model
 
         return ensure_builtin_model()
     if model in PACKAGED_MODELS:
@@ -159,9 +159,9 @@ def write_converted(path: Path, out: Path) -> None:
     """Write the GGUF's weights, config and tokenizer as a Hugging Face checkpoint into `out`."""
     from safetensors.torch import save_file
 
-    from workers.gguf import GGUFFile
-    from workers.gguf_tokenizer import write_tokenizer_files
-    from workers.models.config import to_hf_config
+    from prefixserve.workers.gguf import GGUFFile
+    from prefixserve.workers.gguf_tokenizer import write_tokenizer_files
+    from prefixserve.workers.models.config import to_hf_config
 
     gguf = GGUFFile(path)
     config = gguf.config

@@ -39,21 +39,22 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from router.events import KVEvent, WorkerLoad
-from router.index import IndexSettings, open_index
-from router.publisher import EventPublisher
-from router.request import GenerateRequest, TokenDelta
-from router.secret_refs import resolve
-from workers.checkpoints import resolve_checkpoint
-from workers.engine import LLMEngine
-from workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
-from workers.engine_types import EngineConfig, RequestOutput
-from workers.errors import InvalidRequestError
-from workers.placement import device_for, node_id, replica_id, rss_bytes
-from workers.sampling import SamplingParams
-from workers.sim.engine import SimEngine
-from workers.sim.profiles import is_sim_model, profile_for
-from workers.worker_metrics import WorkerMetrics
+from prefixserve.router.events import KVEvent, WorkerLoad
+from prefixserve.router.index import IndexSettings
+from prefixserve.router.index_stores import open_index
+from prefixserve.router.publisher import EventPublisher
+from prefixserve.router.request import GenerateRequest, TokenDelta
+from prefixserve.router.secret_refs import resolve
+from prefixserve.workers.checkpoints import resolve_checkpoint
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
+from prefixserve.workers.engine_types import EngineConfig, RequestOutput
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.sim.engine import SimEngine
+from prefixserve.workers.sim.profiles import is_sim_model, profile_for
+from prefixserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("ray.serve")
 

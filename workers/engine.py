@@ -15,24 +15,30 @@ from pathlib import Path
 
 import torch
 
-from router.events import KVEvent
-from workers.checkpoints import checkpoint_fingerprint
-from workers.engine_core import EngineCore, check_max_model_len
-from workers.engine_types import EngineConfig, GenerateOutput, RequestOutput, SampleOutput
-from workers.errors import InvalidRequestError, StepFailedError
-from workers.kv_tensor import (
+from prefixserve.router.events import KVEvent
+from prefixserve.workers.checkpoints import checkpoint_fingerprint
+from prefixserve.workers.engine_core import EngineCore, check_max_model_len
+from prefixserve.workers.engine_types import (
+    EngineConfig,
+    GenerateOutput,
+    RequestOutput,
+    SampleOutput,
+)
+from prefixserve.workers.errors import InvalidRequestError, StepFailedError
+from prefixserve.workers.kv_tensor import (
     allocate_kv_cache,
     blocks_for_budget,
     copy_blocks,
     kv_bytes_per_token,
     log_kv_budget,
 )
-from workers.logits_processors import TokenHistory, needs_history
-from workers.model_runner import ModelRunner, keep_cpu_heap
-from workers.models.base import CausalLM
-from workers.models.loader import load_model, resolve_device
-from workers.sampling import Sampler, SamplingParams, make_generator
-from workers.scheduler import SchedulerOutput, Sequence
+from prefixserve.workers.logits_processors import TokenHistory, needs_history
+from prefixserve.workers.model_runner import ModelRunner, keep_cpu_heap
+from prefixserve.workers.models.base import CausalLM
+from prefixserve.workers.models.loader import load_model, resolve_device
+from prefixserve.workers.sampling import Sampler, make_generator
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
 log = logging.getLogger(__name__)
 

@@ -15,22 +15,22 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from router import blocks
-from router.events import KVEvent
-from router.request import TokenLogprob
-from workers.engine_types import (
+from prefixserve.router import blocks
+from prefixserve.router.events import KVEvent
+from prefixserve.router.request import TokenLogprob
+from prefixserve.workers.engine_types import (
     RATE_SMOOTHING,
     BusyShare,
     EngineConfig,
     EngineStats,
     RequestOutput,
 )
-from workers.errors import InvalidRequestError
-from workers.kv_cache import KVCacheManager
-from workers.kv_tensor import fit_max_model_len
-from workers.request_checks import checked_request
-from workers.sampling import SamplingParams
-from workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.kv_tensor import fit_max_model_len
+from prefixserve.workers.request_checks import checked_request
+from prefixserve.workers.sampling_params import SamplingParams
+from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 # One appended token: the sample, its token id and (real engine, when asked) its logprob.
 Pick = tuple[Sequence, int, TokenLogprob | None]

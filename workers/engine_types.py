@@ -9,9 +9,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from router.blocks import DEFAULT_BLOCK_SIZE
-from router.events import WorkerLoad
-from router.request import TokenLogprob
+from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
+from prefixserve.router.events import WorkerLoad
+from prefixserve.router.request import TokenLogprob
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates

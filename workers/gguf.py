@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
 
-from workers.errors import UnsupportedModelError
-from workers.models.config import ModelConfig
-from workers.models.registry import gguf_architecture
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.models.config import ModelConfig
+from prefixserve.workers.models.registry import gguf_architecture
 
 # The quantizations served (dequantized at load into the engine's dtype).
 SUPPORTED_TYPES = frozenset(

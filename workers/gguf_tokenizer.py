@@ -25,7 +25,7 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
-from workers.gguf import GGUFError, GGUFFile
+from prefixserve.workers.gguf import GGUFError, GGUFFile
 
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp token types (1 normal, 6 byte)
 SPACE = "▁"  # SentencePiece's visible space

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 
 @dataclass(eq=False, slots=True)

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from workers.kv_cache import cdiv
-from workers.models.base import to_dtype
+from prefixserve.workers.kv_cache import cdiv
+from prefixserve.workers.models.base import to_dtype
 
 if TYPE_CHECKING:
-    from workers.models.config import ModelConfig
+    from prefixserve.workers.models.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

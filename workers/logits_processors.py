@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from workers.sampling import SamplingParams
+    from prefixserve.workers.sampling_params import SamplingParams
 
 
 class TokenHistory:

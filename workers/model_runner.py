@@ -14,10 +14,10 @@ import ctypes.util
 import numpy as np
 import torch
 
-from workers.attention.metadata import AttentionMetadata
-from workers.kv_cache import KVCacheManager
-from workers.models.base import CausalLM
-from workers.scheduler import SchedulerOutput, Sequence
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.models.base import CausalLM
+from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
 
 class ModelRunner:

@@ -22,8 +22,8 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.blocks import BlockHasher
-from workers.kv_cache import KVCacheManager
+from prefixserve.router.blocks import BlockHasher
+from prefixserve.workers.kv_cache import KVCacheManager
 
 
 class SeqStatus(enum.Enum):

@@ -20,7 +20,7 @@ from typing import Any
 
 from ray.util import metrics
 
-from workers.engine_types import EngineStats, RequestOutput
+from prefixserve.workers.engine_types import EngineStats, RequestOutput
 
 TAG_KEYS = ("model_name", "worker")
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from workers.attention.metadata import AttentionMetadata
+    from prefixserve.workers.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):

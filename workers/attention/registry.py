@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention.base import AttentionBackend
-from workers.attention.torch_sdpa import TorchSDPABackend
+from prefixserve.workers.attention.base import AttentionBackend
+from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 
 # Device type -> backend. Paged GPU kernels register here (e.g. "cuda": a FlashInfer backend);
 # a device type without an entry gets DEFAULT_BACKEND, torch SDPA, which runs wherever torch does.

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttentionBackend
-from workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.base import AttentionBackend
+from prefixserve.workers.attention.metadata import AttentionMetadata
 
 
 @dataclass

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from workers.attention.metadata import AttentionMetadata
-    from workers.models.config import ModelConfig
+    from prefixserve.workers.attention.metadata import AttentionMetadata
+    from prefixserve.workers.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

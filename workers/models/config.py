@@ -12,8 +12,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from workers.errors import UnsupportedModelError
-from workers.models.registry import get_architecture, hf_architecture
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.models.registry import get_architecture, hf_architecture
 
 # freq_factors: per-frequency divisors, as GGUF files store llama3-style scaling.
 SUPPORTED_ROPE = ("default", "llama3", "linear", "freq_factors")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from workers.models.config import ModelConfig
+    from prefixserve.workers.models.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

@@ -16,14 +16,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.attention.registry import backend_for
-from workers.models.base import CausalLM, WeightSlot, to_dtype
-from workers.models.layers import RMSNorm, apply_rope, interleave_rope_rows, rope_inv_freq
+from prefixserve.workers.attention.registry import backend_for
+from prefixserve.workers.models.base import CausalLM, WeightSlot, to_dtype
+from prefixserve.workers.models.layers import (
+    RMSNorm,
+    apply_rope,
+    interleave_rope_rows,
+    rope_inv_freq,
+)
 
 if TYPE_CHECKING:
-    from workers.attention.base import AttentionBackend
-    from workers.attention.metadata import AttentionMetadata
-    from workers.models.config import ModelConfig
+    from prefixserve.workers.attention.base import AttentionBackend
+    from prefixserve.workers.attention.metadata import AttentionMetadata
+    from prefixserve.workers.models.config import ModelConfig
 
 
 class Attention(nn.Module):

@@ -9,18 +9,19 @@ the config's architecture.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from workers.checkpoints import is_gguf, weight_files
-from workers.errors import UnsupportedModelError
-from workers.gguf import GGUFFile
-from workers.models.base import CausalLM, to_dtype
-from workers.models.config import ModelConfig, load_model_config
-from workers.models.registry import get_architecture
+from prefixserve.workers.checkpoints import is_gguf, weight_files
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.gguf import GGUFFile
+from prefixserve.workers.models.base import CausalLM, to_dtype
+from prefixserve.workers.models.config import ModelConfig, load_model_config
+from prefixserve.workers.models.registry import Architecture, get_architecture
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
@@ -49,6 +50,13 @@ def load_model(
     return build_model(load_model_config(path), safetensors_weights(path), dtype, device, path)
 
 
+def architecture_class(architecture: Architecture) -> type[CausalLM]:
+    """The architecture's model class, imported only when a model is built (it pulls in torch);
+    here rather than in the registry, which the ingress reads and which must not know models."""
+    module = importlib.import_module(f"prefixserve.workers.models.{architecture.module}")
+    return getattr(module, architecture.class_name)
+
+
 def build_model(
     config: ModelConfig,
     weights: WeightStream,
@@ -58,7 +66,7 @@ def build_model(
 ) -> CausalLM:
     """The model filled from a stream of HF-named tensors; every slot must be given."""
     dtype = to_dtype(dtype)
-    model_class = get_architecture(config.architecture).model_class()
+    model_class = architecture_class(get_architecture(config.architecture))
     with torch.device("meta"):
         model = model_class(config, dtype=dtype)
     model.to_empty(device=resolve_device(device))

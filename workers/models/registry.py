@@ -10,14 +10,10 @@ class, whose `weight_map` names the checkpoint tensors it takes) and one line in
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from workers.errors import UnsupportedModelError
-
-if TYPE_CHECKING:
-    from workers.models.base import CausalLM
+from prefixserve.workers.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -32,10 +28,6 @@ class Architecture:
     sliding_window_flag: str | None = None  # config key that must be true for `sliding_window`
     gguf_name: str | None = None  # GGUF `general.architecture`; None: not read from GGUF
     gguf_qk_permuted: bool = False  # llama.cpp's converter interleaved the Q/K rows per head
-
-    def model_class(self) -> type[CausalLM]:
-        """The model class, imported on first use (it pulls in torch)."""
-        return getattr(importlib.import_module(f"workers.models.{self.module}"), self.class_name)
 
 
 ARCHITECTURES: dict[str, Architecture] = {

@@ -1,8 +1,9 @@
 """Measure the real engine's step times and fit the simulated engine's linear cost model.
 
-``python -m workers.sim.calibrate --model smollm2-135m-instruct`` runs a few prefills (one
-request, ``max_tokens=1``) and decode steps (``batch`` sequences at a given context) on the real
-:class:`workers.engine.LLMEngine`, times each engine step, and prints the least-squares fit of
+``python -m prefixserve.workers.sim.calibrate --model smollm2-135m-instruct`` runs a few
+prefills (one request, ``max_tokens=1``) and decode steps (``batch`` sequences at a given
+context) on the real :class:`workers.engine.LLMEngine`, times each engine step, and prints the
+least-squares fit of
 
     prefill_s = p0 + p1 * tokens + p2 * tokens * context
     decode_s  = d0 + d1 * batch + d2 * batch * context
@@ -18,9 +19,9 @@ import time
 
 import numpy as np
 
-from workers.engine import LLMEngine
-from workers.engine_types import EngineConfig
-from workers.sampling import SamplingParams
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.sampling_params import SamplingParams
 
 PREFILLS = (64, 256, 512, 1024, 2048)
 DECODES = ((1, 128), (4, 128), (16, 128), (1, 1024), (8, 1024), (32, 256))
@@ -85,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
 
-    from workers.checkpoints import resolve_checkpoint
+    from prefixserve.workers.checkpoints import resolve_checkpoint
 
     torch.set_num_threads(args.threads)
     config = EngineConfig(num_blocks=1024, max_num_batched_tokens=2048, device="cpu")

@@ -17,11 +17,11 @@ import time
 import zlib
 from collections.abc import Callable
 
-from router.events import KVEvent
-from workers.engine_core import EngineCore, EngineRequest, check_max_model_len
-from workers.engine_types import EngineConfig, RequestOutput
-from workers.scheduler import SchedulerOutput, Sequence
-from workers.sim.profiles import SimProfile
+from prefixserve.router.events import KVEvent
+from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max_model_len
+from prefixserve.workers.engine_types import EngineConfig, RequestOutput
+from prefixserve.workers.scheduler import SchedulerOutput, Sequence
+from prefixserve.workers.sim.profiles import SimProfile
 
 TokenSource = Callable[[Sequence], int]
 

@@ -22,7 +22,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from workers.checkpoints import BUILTIN_MODEL_NAME
+from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 # A served sim model has no checkpoint: the ingress tokenizes with the built-in model's tokenizer
 # and every token id it may see or emit lies below that tokenizer's vocabulary, so all decode.
@@ -85,7 +85,7 @@ class SimProfile:
 # from the real engine serving smollm2-135m-instruct (SmolLM2-135M-Instruct Q4_1 GGUF, converted
 # to fp32), with
 #
-#     python -m workers.sim.calibrate --model smollm2-135m-instruct --repeats 2
+#     python -m prefixserve.workers.sim.calibrate --model smollm2-135m-instruct --repeats 2
 #
 # (prefills of 64..2048 tokens, one request, max_tokens=1; decode steps of batch 1..32 at
 # contexts 128..1024); the measured medians and the fit follow.
