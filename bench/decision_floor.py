@@ -29,10 +29,12 @@ import numpy as np
 from prefixserve.bench.redis_time import lookup_clock
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.decision_types import Candidate
 from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
 from prefixserve.router.index import IndexSettings, PrefixIndex
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.router_state import Candidate, RouterSettings, RouterState
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 
 BLOCK_SIZE = 16
 FINGERPRINT = "decision-floor"
@@ -89,7 +91,7 @@ async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
         await _fill(index, names, [p for n in lengths for p in held[n]])
         state = RouterState(RouterSettings(model=model, block_size=BLOCK_SIZE,
                                            fingerprint=FINGERPRINT))
-        state.check_workers(await index.live_workers(), [], time.time())
+        state.gate.check_workers(await index.live_workers(), [], time.time())
         candidates = [Candidate(name, queue_len=2) for name in names]
         keys = itertools.count(1)
         with lookup_clock(redis_url) as redis_ms:

@@ -58,7 +58,8 @@ from prefixserve.cluster.local_redis import LocalRedis, free_port
 from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from prefixserve.router.index import IndexSettings, PrefixIndex, ResultCode
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.redis_index import RedisPrefixIndex, key_tag
+from prefixserve.router.redis_index import RedisPrefixIndex
+from prefixserve.router.redis_records import key_tag
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name
 
 DIGEST = 16

@@ -27,11 +27,13 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 
 from prefixserve.bench.redis_time import lookup_clock
 from prefixserve.router.blocks import Chain
+from prefixserve.router.decision_types import Candidate
 from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, within
 from prefixserve.router.index_follower import IndexFollower
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.ray_prefix import TOKEN_CHAR_BASE
-from prefixserve.router.router_state import Candidate, RouterSettings, RouterState
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 
 POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
@@ -94,7 +96,7 @@ class SimRouter:
         """Adopt the registered workers (prefix): their block size and model fingerprint."""
         if self.index is not None:
             candidates = [Candidate(name) for name in self.names]
-            self.state.check_workers(await self.index.live_workers(), candidates, 0.0)
+            self.state.gate.check_workers(await self.index.live_workers(), candidates, 0.0)
 
     async def route(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
                     now: float) -> int:
@@ -154,7 +156,7 @@ class SimRouter:
 
     async def _lookup(self, chain: Chain, now: float) -> LookupResult | None:
         assert self.index is not None
-        if self.state.lookup_blocked(now) is not None:
+        if self.state.gate.lookup_blocked(now) is not None:
             return None
         start = time.perf_counter()
         if self.local is not None:
@@ -164,7 +166,7 @@ class SimRouter:
                 result = await within(self.index.lookup(chain), self.lookup_wait_s)
             except Exception:  # fail open, as the request router does
                 self.timings.lookups_failed += 1
-                self.state.lookup_failed(now)
+                self.state.gate.lookup_failed(now)
                 return None
         self.timings.lookup_s.append(time.perf_counter() - start)
         self.state.looked_up(result)

@@ -71,7 +71,7 @@ from prefixserve.router.index import IndexSettings, IndexUnavailable, PrefixInde
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import PolicyConfig
-from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_cache import KVCacheManager

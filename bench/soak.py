@@ -270,7 +270,7 @@ def index_view(redis_url: str, model: str) -> dict[str, Any]:
     digest's first ``router.redis_index.INDEX_KEY_BYTES``), and the other keys."""
     import redis
 
-    from prefixserve.router.redis_index import key_tag
+    from prefixserve.router.redis_records import key_tag
 
     p = "{" + key_tag(model) + "}"
     r = redis.Redis.from_url(redis_url)
@@ -298,7 +298,7 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
     """Wait for idle, then compare blocks, index and RSS. Returns a report with ``problems``."""
     from ray import serve
 
-    from prefixserve.router.redis_index import INDEX_KEY_BYTES
+    from prefixserve.router.index import INDEX_KEY_BYTES
 
     problems: list[str] = []
     idle, stats, idle_s = wait_idle(app_name, timeout_s)

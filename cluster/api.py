@@ -30,13 +30,13 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from prefixserve.cluster.api_schema import body_doc, openapi_schema, parse_body
 from prefixserve.cluster.errors import ApiError
 from prefixserve.cluster.generation import Generation, to_api_error
 from prefixserve.cluster.guard import Guard, GuardSettings, tenant_salt
@@ -44,7 +44,6 @@ from prefixserve.cluster.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
-    format_validation_error,
 )
 from prefixserve.cluster.render import Renderer, collect, stream_response, worker_headers
 from prefixserve.cluster.responses import ModelCard, ModelList, new_id, now
@@ -70,33 +69,10 @@ MESSAGE_CHARS = 64  # what a chat message weighs against INLINE_CHARS besides it
 INLINE_TOKENS = 1024  # token ids up to this many are decoded inline; more: on the pool
 VERSION = metadata.version("prefixserve")
 CPU_THREADS = 4  # the pool for long tokenizing and rendering
-Body = TypeVar("Body", bound=BaseModel)
 T = TypeVar("T")
 
 
-def _body_doc(model: type[BaseModel]) -> dict[str, Any]:
-    """OpenAPI request body of a route that parses its own body (strict errors, 413 limit):
-    the schema clients and the fuzz tests (schemathesis) generate requests from."""
-    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-    defs = schema.pop("$defs", {})
-    return {"requestBody": {"required": True,
-                            "content": {"application/json": {"schema": schema}}},
-            "x-defs": defs}
-
-
-def _openapi(api: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema, with the request models' nested definitions under components."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version, routes=api.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path in schema["paths"].values():
-            for op in path.values():
-                components.update(op.pop("x-defs", {}))
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-app.openapi = partial(_openapi, app)  # type: ignore[method-assign]
+app.openapi = partial(openapi_schema, app)  # type: ignore[method-assign]
 
 
 @app.exception_handler(ApiError)
@@ -119,15 +95,6 @@ async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
     return ApiError(exc.status_code, str(exc.detail), type_, code=exc.status_code).response()
-
-
-def parse_body(model: type[Body], raw: bytes) -> Body:
-    """The request body as `model`; strict errors name the offending field (`param`)."""
-    try:
-        return model.model_validate_json(raw or b"null")
-    except ValidationError as exc:
-        message, param = format_validation_error(exc)
-        raise ApiError(400, message, param=param) from None
 
 
 # ---- the deployment ------------------------------------------------------------------------
@@ -181,7 +148,7 @@ class OpenAIIngress:
     async def version(self) -> dict[str, str]:
         return VersionResponse(version=VERSION).model_dump()
 
-    @app.post("/tokenize", openapi_extra=_body_doc(TokenizeRequest))
+    @app.post("/tokenize", openapi_extra=body_doc(TokenizeRequest))
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt's or a rendered chat's token ids (no generation)."""
         req = parse_body(TokenizeRequest, await request.body())
@@ -200,7 +167,7 @@ class OpenAIIngress:
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump()
 
-    @app.post("/detokenize", openapi_extra=_body_doc(DetokenizeRequest))
+    @app.post("/detokenize", openapi_extra=body_doc(DetokenizeRequest))
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: token ids back to text, special tokens included."""
         req = parse_body(DetokenizeRequest, await request.body())
@@ -211,7 +178,7 @@ class OpenAIIngress:
                                req.tokens, False)
         return DetokenizeResponse(prompt=text).model_dump()
 
-    @app.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
+    @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
         self._check_model(req.model)
@@ -238,7 +205,7 @@ class OpenAIIngress:
         return await self._run(req.logprobs is not None, self._json_response,
                                self.render.completion, gen, req, per_choice)
 
-    @app.post("/v1/chat/completions", openapi_extra=_body_doc(ChatCompletionRequest))
+    @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         self._check_model(req.model)

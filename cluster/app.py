@@ -30,7 +30,7 @@ from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.guard import GuardSettings
 from prefixserve.cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
 from prefixserve.router.index import IndexSettings
-from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import ROUTING_POLICIES
 from prefixserve.workers.deployment import worker_deployment
 

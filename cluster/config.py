@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from prefixserve.cluster.ingress_config import ENV_DEFAULTS, IngressConfig
 from prefixserve.router.index import REDIS_URL_ENV, IndexSettings
-from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
 from prefixserve.router.secret_refs import env_reference, is_reference, url_has_secret
 from prefixserve.workers.checkpoints import (

@@ -50,13 +50,8 @@ a partially evicted worker could leave entries that its reverse index does not k
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import re
-import struct
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, KeysView, Sequence
-from functools import lru_cache
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import msgpack
@@ -70,9 +65,7 @@ from prefixserve.router import redis_scripts
 from prefixserve.router.blocks import DIGEST_BYTES
 from prefixserve.router.events import (
     EventBatch,
-    EventDecodeError,
     WorkerLoad,
-    decode_load,
     encode_events,
     encode_load,
     pack_digests,
@@ -85,90 +78,21 @@ from prefixserve.router.index import (
     LookupResult,
     ResultCode,
     WorkerInfo,
-    WorkerMatch,
     expect,
 )
 from prefixserve.router.redis_connection import CALL_DEADLINE, connect, unavailable
+from prefixserve.router.redis_records import key_tag, match_depths, tail_record, worker_code
+from prefixserve.router.worker_cache import WorkerCache
 
 log = logging.getLogger(__name__)
 
-_TAG_RE = re.compile(r"[A-Za-z0-9._-]{1,8}")
 _GC_CHUNK = 4096
 _RESYNC_CHUNK = 4096
-_RIDE = struct.Struct(">HI")  # lookup reply per rider: id, predicted depth
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
-# A tail's samples: a chain that leaves the routed one between two samples is credited up to
-# the earlier one, so 64 samples of a 2,048-block prompt miss at most ~31 blocks (1.5%).
-_TAIL_SAMPLES = 64
 # Tails kept per worker, ~1.3 KB each (a lookup reads the live workers' tails): more long
 # prompts than this routed to one worker within predict_ttl_s, each taking seconds to
 # prefill, keep the newest.
-_MAX_TAILS = 8
-_TAIL_HEAD = struct.Struct(">IH")  # from_block, samples
-_TAIL_POS = struct.Struct(">I")
-
-def key_tag(model: str) -> str:
-    """The hash tag of a model: its name when short and plain, else a short digest of it.
-
-    Short tags keep the per-block keys small (a 16-byte digest plus a few bytes).
-    """
-    if _TAG_RE.fullmatch(model):
-        return model
-    return "m" + hashlib.sha256(model.encode()).hexdigest()[:7]
-
-
-def tail_record(chain: Sequence[bytes], from_block: int, start: int) -> bytes:
-    """The sampled tail of a prediction (``lua/_tails.lua``, less the expiry Redis adds):
-    ``_TAIL_SAMPLES`` blocks spread evenly over ``chain[start:]``, its first and last included;
-    empty when the chain ends before ``start``."""
-    n = len(chain) - start
-    if n <= 0:
-        return b""
-    count = min(n, _TAIL_SAMPLES)
-    positions = [start + k * (n - 1) // max(1, count - 1) for k in range(count)]
-    pack_digests([chain[p] for p in positions])  # ValueError on a malformed digest
-    parts = [_TAIL_HEAD.pack(from_block, count)]
-    for p in positions:
-        parts += (_TAIL_POS.pack(p), chain[p])
-    return b"".join(parts)
-
-
-def _code(worker_id: int) -> bytes:
-    """A worker id as the scripts store it in block values and the live set: 2 bytes, BE."""
-    return worker_id.to_bytes(2, "big")
-
-
-@lru_cache(maxsize=4096)
-def _ids(packed: bytes) -> frozenset[int]:
-    """The ids packed in a lookup's reply, remembered: the same holders come back lookup after
-    lookup (every worker, for a shared system prompt), and at 64 workers reading them again
-    cost more than the rest of a reply's decoding."""
-    return frozenset(int.from_bytes(packed[k : k + 2], "big")
-                     for k in range(0, len(packed) - 1, 2))
-
-
-def match_depths(
-    live: bytes, changes: Sequence[int | bytes], rides: bytes, walked: int
-) -> dict[int, tuple[int, int]]:
-    """Each live worker's (confirmed, predicted) depth from a lookup's reply: the holders at
-    every change along the walk (a worker's confirmed depth ends where it leaves them, so a
-    block held by every worker costs one string, not a depth each) and the riders' predicted
-    depths. Workers that matched neither are left out."""
-    live_ids = _ids(live)
-    alive = live_ids
-    confirmed: dict[int, int] = {}
-    for k in range(0, len(changes) - 1, 2):
-        start, holders = int(changes[k]), _ids(bytes(changes[k + 1]))
-        if k:  # the first change is block 1's holders: nobody leaves there
-            confirmed.update(dict.fromkeys(alive - holders, start - 1))
-        alive = alive & holders
-    confirmed.update(dict.fromkeys(alive, walked))
-    depths = {wid: (d, d) for wid, d in confirmed.items()}
-    for wid, d in _RIDE.iter_unpack(rides):
-        if wid in live_ids:
-            c = confirmed.get(wid, 0)
-            depths[wid] = (c, max(c, d))
-    return {wid: d for wid, d in depths.items() if d[1] > 0}
+MAX_TAILS = 8
 
 
 class RedisPrefixIndex:
@@ -203,18 +127,7 @@ class RedisPrefixIndex:
             name: self._redis.register_script(redis_scripts.source(name))
             for name in redis_scripts.SCRIPTS
         }
-        self._workers: dict[int, WorkerInfo] = {}
-        self._rv: bytes | None = None
-        self._lv = b""
-        self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}
-        # replica_id -> load / worker id of every known live worker; replaced (never changed)
-        # on news, so each LookupResult hands them out without a copy
-        self._by_replica: dict[str, WorkerLoad] = {}
-        self._ids: dict[str, int] = {}
-        self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
-        # ids in lookups' replies that the last list of live workers did not know, until when
-        self._strays: frozenset[int] = frozenset()
-        self._strays_until = 0.0
+        self.cache = WorkerCache(self.tag)  # the live workers and their loads
 
     # -- plumbing -----------------------------------------------------------------------
 
@@ -280,7 +193,7 @@ class RedisPrefixIndex:
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
         keys = [self._w(worker_id), self._k_live, self._k_load, self._k_lv, self._k_lz]
-        args = [_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
+        args = [worker_code(worker_id), epoch, self.lease_ttl_ms, encode_load(load)]
         code = await self._eval("heartbeat", keys, args)
         what = f"heartbeat of worker {worker_id}"
         return expect(code, what, ResultCode.OK, ResultCode.UNKNOWN_WORKER) is ResultCode.OK
@@ -293,26 +206,7 @@ class RedisPrefixIndex:
     async def live_workers(self) -> list[WorkerInfo]:
         keys = [self._k_live, self._k_rv]
         rv, flat = await self._eval("live", keys, [self._prefix])
-        workers = []
-        for i in range(0, len(flat), 2):
-            try:
-                rid, epoch, bs, fp, node = flat[i + 1]
-                if rid is None:  # no record (gone, or not a hash): not a worker
-                    continue
-                workers.append(WorkerInfo(int(flat[i]), rid.decode(), int(epoch), int(bs),
-                                          fp.decode(), (node or b"").decode()))
-            except (TypeError, ValueError, AttributeError) as exc:  # junk in the record
-                if flat[i] not in self._corrupt:
-                    self._corrupt.add(flat[i])
-                    log.warning("prefix index %s: corrupt record of worker %r skipped (%r)",
-                                self.tag, flat[i], exc)
-        self._workers = {w.worker_id: w for w in workers}
-        self._rv = rv
-        self._ids = {w.replica_id: w.worker_id for w in workers}
-        for gone in self._loads.keys() - self._workers.keys():
-            del self._loads[gone]
-        self._publish_loads()
-        return workers
+        return self.cache.replace(rv, flat)
 
     # -- events ---------------------------------------------------------------------------
 
@@ -354,65 +248,18 @@ class RedisPrefixIndex:
         """Matches of the workers holding block 0 only; ids and loads of every live worker, of
         which Redis sends only the loads changed since this client's last lookup."""
         keys = [self._k_live, self._k_load, self._k_rv, self._k_lv, self._k_tails, self._k_lz]
-        args = [self._prefix, pack_digests(chain), self._lv]
+        cache = self.cache
+        args = [self._prefix, pack_digests(chain), cache.loads_version]
         reply = await self._eval("lookup", keys, args)
         rv, live, segs, rides, lv, changed, everything, walked = msgpack.unpackb(reply, raw=True)
         depth = match_depths(live, segs, rides, walked)
-        if rv != self._rv or (not depth.keys() <= self._workers.keys()
-                              and self._news(depth.keys())):
+        if cache.needs_list(rv, depth.keys()):
             await self.live_workers()
-            self._strays = frozenset(depth.keys() - self._workers.keys())
-            self._strays_until = time.monotonic() + self.lease_ttl_s
-        self._lv = lv
+            cache.note_strays(depth.keys(), self.lease_ttl_s)
+        cache.loads_version = lv
         if everything or changed:
-            news = {int.from_bytes(changed[i], "big"): changed[i + 1] or None  # False: no load
-                    for i in range(0, len(changed) - 1, 2) if len(changed[i]) == 2}
-            if everything:
-                for gone in self._loads.keys() - news.keys():
-                    del self._loads[gone]
-            for wid, raw in news.items():
-                self._decode_load(wid, raw)
-            self._publish_loads()
-        matches = {}
-        for wid, (confirmed, predicted) in depth.items():
-            info = self._workers.get(wid)
-            if info is not None:
-                cached = self._loads.get(wid)
-                load = cached[1] if cached else None
-                matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
-                                                       predicted, load)
-        return LookupResult(matches, walked, self._by_replica, self._ids)
-
-    def _news(self, ids: KeysView[int]) -> bool:
-        """Whether ids a reply holds that no known worker has call for a fresh list of the
-        live workers: not when the last one, fetched less than a lease ago, lacked them too (junk,
-        or a dead worker whose entries the sweep is removing), so they cost one list, not one
-        per lookup."""
-        return not ids - self._workers.keys() <= self._strays or (
-            time.monotonic() >= self._strays_until)
-
-    def _publish_loads(self) -> None:
-        self._by_replica = {
-            info.replica_id: cached[1]
-            for wid, info in self._workers.items()
-            if (cached := self._loads.get(wid)) is not None and cached[1] is not None
-        }
-
-    def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
-        if raw is None:
-            self._loads.pop(worker_id, None)
-            return
-        cached = self._loads.get(worker_id)
-        if cached is not None and cached[0] == raw:
-            return
-        try:
-            load = decode_load(raw)
-        except EventDecodeError as exc:
-            if cached is None or cached[1] is not None:
-                log.warning("prefix index %s: bad load record of worker %d ignored (%s)",
-                            self.tag, worker_id, exc)
-            load = None
-        self._loads[worker_id] = (raw, load)
+            cache.take_loads(changed, everything)
+        return LookupResult(cache.matches(depth), walked, cache.by_replica, cache.ids)
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
         """Predicted entries expire after ``predict_ttl_s`` (Redis clock). Blocks up to
@@ -423,7 +270,7 @@ class RedisPrefixIndex:
         exact = pack_digests(chain[from_block:end])
         if exact:
             args = [self._prefix, worker_id, self.predict_ttl_ms, exact,
-                    tail_record(chain, from_block, end), _MAX_TAILS]
+                    tail_record(chain, from_block, end), MAX_TAILS]
             await self._eval("predict", [self._k_live, self._k_tails], args)
 
     # -- the event log (lua/_log.lua), for routers that follow it --------------------------
@@ -490,8 +337,7 @@ class RedisPrefixIndex:
                 "gc_chunk", keys, [self._prefix, worker_id, _GC_CHUNK], self.admin_deadline_s
             )
             removed += n
-        self._workers.pop(worker_id, None)
-        self._loads.pop(worker_id, None)
+        self.cache.forget(worker_id)
         return removed
 
     async def close(self) -> None:

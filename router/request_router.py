@@ -48,11 +48,13 @@ import ray
 from ray.util import metrics
 
 from prefixserve.router.blocks import Chain
+from prefixserve.router.decision_types import Candidate, Prediction
 from prefixserve.router.index import REDIS_URL_ENV, IndexSettings, LookupResult, PrefixIndex, within
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.request import GenerateRequest
-from prefixserve.router.router_state import Candidate, Prediction, RouterSettings, RouterState
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 from prefixserve.router.secret_refs import SecretNotFound, resolve
 from prefixserve.router.serve_compat import (
     PendingRequest,
@@ -256,7 +258,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         if index is None:
             self._fail_open("unset")
             return None
-        reason = state.lookup_blocked(now)
+        reason = state.gate.lookup_blocked(now)
         if reason is not None:
             self._fail_open(reason)
             return None
@@ -271,12 +273,12 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             result = await within(index.lookup(chain), 4 * state.settings.lookup_deadline_s)
         except (asyncio.TimeoutError, TimeoutError):
             self._fail_open("timeout")
-            state.lookup_failed(now)
+            state.gate.lookup_failed(now)
             return None
         except Exception as exc:  # IndexUnavailable and anything else: serving goes on
             logger.debug("prefix index lookup failed: %r", exc)
             self._fail_open("unavailable")
-            state.lookup_failed(now)
+            state.gate.lookup_failed(now)
             return None
         state.looked_up(result)
         return result
@@ -301,10 +303,10 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         """Start a check when due; before the first one has an answer, every request waits for
         it (a burst at start-up must not be routed blind), later ones run in the background."""
         task = self._check_task
-        if (task is None or task.done()) and self._state.check_due(now):
+        if (task is None or task.done()) and self._state.gate.check_due(now):
             task = self._check_task = self.spawn(self._check_workers(replicas))
             task.add_done_callback(_log_failure)
-        if self._state.compatible is None and task is not None and not task.done():
+        if self._state.gate.compatible is None and task is not None and not task.done():
             await asyncio.shield(task)
 
     async def _check_workers(self, replicas: list[RunningReplica]) -> None:
@@ -316,9 +318,9 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             workers = await asyncio.wait_for(index.live_workers(), timeout=0.5)
         except Exception as exc:
             logger.debug("worker check postponed, index unavailable: %r", exc)
-            self._state.check_postponed(now)
+            self._state.gate.check_postponed(now)
             return
-        self._state.check_workers(workers, self._candidates(replicas), now)
+        self._state.gate.check_workers(workers, self._candidates(replicas), now)
 
 
 async def _follow_while_ray_runs(follower: IndexFollower) -> None:

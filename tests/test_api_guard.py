@@ -27,7 +27,9 @@ from servekit import serve_app
 from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig
 from prefixserve.cluster.local_redis import free_port
 from prefixserve.router.blocks import hash_chain, namespace
-from prefixserve.router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex, key_tag
+from prefixserve.router.index import INDEX_KEY_BYTES
+from prefixserve.router.redis_index import RedisPrefixIndex
+from prefixserve.router.redis_records import key_tag
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster

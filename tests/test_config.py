@@ -63,7 +63,7 @@ def test_flat_dashed_and_nested_settings_build_one_tree() -> None:
 
 
 def test_router_weights_count_the_engines_blocks() -> None:
-    from prefixserve.router.router_state import RouterSettings
+    from prefixserve.router.router_settings import RouterSettings
 
     settings = RouterSettings.model_validate({"block_size": 64, "weights": {"decode_weight": 1}})
     assert settings.weights.block_size == 64 and settings.weights.decode_weight == 1.0

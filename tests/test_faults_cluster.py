@@ -40,9 +40,8 @@ from prefixserve.bench.soak import (
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace
-from prefixserve.router.index import PrefixIndex
+from prefixserve.router.index import INDEX_KEY_BYTES, PrefixIndex
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.redis_index import INDEX_KEY_BYTES
 from prefixserve.router.request_router import NoSuchReplica
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
@@ -203,7 +202,7 @@ def test_junk_in_the_index_under_load_never_fails_a_request(
 ) -> None:
     import redis as redis_lib
 
-    from prefixserve.router.redis_index import key_tag
+    from prefixserve.router.redis_records import key_tag
 
     stats = worker_stats(APP)
     (_, sa), (_, sb) = sorted(stats.items())

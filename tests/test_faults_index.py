@@ -29,9 +29,15 @@ from prefixserve.router.events import (
     WorkerLoad,
     decode_load,
 )
-from prefixserve.router.index import IndexSettings, IndexUnavailable, ResultCode, UnknownWorker
+from prefixserve.router.index import (
+    INDEX_KEY_BYTES,
+    IndexSettings,
+    IndexUnavailable,
+    ResultCode,
+    UnknownWorker,
+)
 from prefixserve.router.publisher import EventPublisher
-from prefixserve.router.redis_index import INDEX_KEY_BYTES, RedisPrefixIndex
+from prefixserve.router.redis_index import RedisPrefixIndex
 
 pytestmark = pytest.mark.cluster
 

@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from prefixserve.cluster import protocol
 from prefixserve.router.redis_connection import safe_url
 from prefixserve.workers import sampling
+from prefixserve.workers import sampling_params as params_mod
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.sampling import Sampler
 from prefixserve.workers.sampling_params import SamplingParams
@@ -39,15 +40,15 @@ def test_a_tiny_temperature_is_greedy_not_nan(temperature: float) -> None:
     assert all(lp is not None and lp.logprob == lp.logprob for lp in lps)  # not NaN
 
 
-@pytest.mark.parametrize("seed", [-1, sampling.MAX_SEED + 1, 2**64])
+@pytest.mark.parametrize("seed", [-1, params_mod.MAX_SEED + 1, 2**64])
 def test_engine_rejects_a_seed_out_of_range(seed: int) -> None:
     with pytest.raises(InvalidRequestError, match="seed"):
         SamplingParams(seed=seed).validate()
 
 
 def test_seed_bounds_agree_with_the_api() -> None:
-    assert protocol.MAX_SEED == sampling.MAX_SEED
-    SamplingParams(seed=sampling.MAX_SEED, n=sampling.MAX_N).validate()
-    assert sampling.make_generator(SamplingParams(seed=sampling.MAX_SEED), sampling.MAX_N - 1)
+    assert protocol.MAX_SEED == params_mod.MAX_SEED
+    SamplingParams(seed=params_mod.MAX_SEED, n=params_mod.MAX_N).validate()
+    assert sampling.make_generator(SamplingParams(seed=params_mod.MAX_SEED), params_mod.MAX_N - 1)
     with pytest.raises(ValidationError, match="less than or equal to"):
-        protocol.CompletionRequest.model_validate({"prompt": "x", "seed": sampling.MAX_SEED + 1})
+        protocol.CompletionRequest.model_validate({"prompt": "x", "seed": params_mod.MAX_SEED + 1})

@@ -27,6 +27,7 @@ from prefixserve.router.events import (
     WorkerLoad,
 )
 from prefixserve.router.index import (
+    INDEX_KEY_BYTES,
     IndexSettings,
     IndexUnavailable,
     ResultCode,
@@ -36,14 +37,8 @@ from prefixserve.router.index import (
     within,
 )
 from prefixserve.router.index_stores import INDEX_STORES, open_index
-from prefixserve.router.redis_index import (
-    _MAX_TAILS,
-    INDEX_KEY_BYTES,
-    RedisPrefixIndex,
-    key_tag,
-    match_depths,
-    tail_record,
-)
+from prefixserve.router.redis_index import MAX_TAILS, RedisPrefixIndex
+from prefixserve.router.redis_records import key_tag, match_depths, tail_record
 from prefixserve.router.redis_scripts import SCRIPTS, source
 
 NS = namespace("test-model")
@@ -362,7 +357,7 @@ async def test_a_lookup_returns_only_the_loads_changed_since_the_last(
 
     assert len(changed()) == 20  # a client without a version gets every load
     assert len((await index.lookup(ch)).loads) == 20
-    lv = index._lv
+    lv = index.cache.loads_version
     assert changed() == []  # nothing changed since: nothing is sent
     await index.heartbeat(ids[3], 1, WorkerLoad(num_running=99))
     assert changed() == [ids[3].to_bytes(2, "big")]
@@ -619,12 +614,12 @@ async def test_tails_per_worker_are_bounded_and_a_repeat_replaces_its_own(
     raw = redis.Redis.from_url(redis_server.url)
     try:
         a = await register(idx, "A")
-        chains = [chain_of(40 + i, 20) for i in range(_MAX_TAILS + 3)]
+        chains = [chain_of(40 + i, 20) for i in range(MAX_TAILS + 3)]
         for ch in chains:
             await idx.predict(ch, a)
         await idx.predict(chains[-1], a)
         record = 13 + 6 + 16 * 20  # expiry, from + count, 16 samples (blocks 4..19)
-        assert len(raw.hget("{" + idx.tag + "}T", a.to_bytes(2, "big"))) == _MAX_TAILS * record
+        assert len(raw.hget("{" + idx.tag + "}T", a.to_bytes(2, "big"))) == MAX_TAILS * record
         assert depths(await idx.lookup(chains[-1])) == {"A": (0, 20)}
         assert depths(await idx.lookup(chains[3])) == {"A": (0, 20)}
         assert depths(await idx.lookup(chains[0])) == {"A": (0, 4)}  # the oldest tail dropped

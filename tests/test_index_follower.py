@@ -18,7 +18,7 @@ from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, Wor
 from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.redis_index import key_tag
+from prefixserve.router.redis_records import key_tag
 
 pytestmark = pytest.mark.cluster
 

@@ -17,7 +17,7 @@ import ray.dashboard.modules.metrics.dashboards as ray_dashboards
 import yaml
 from test_router_state import ABC, TOKENS_A, lookup, state
 
-from prefixserve.router.router_state import Outcome
+from prefixserve.router.decision_types import Outcome
 from prefixserve.workers.engine_types import EngineStats, RequestOutput
 from prefixserve.workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 

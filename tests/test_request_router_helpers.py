@@ -10,7 +10,8 @@ from ray.serve._private.common import DeploymentID
 from prefixserve.router.blocks import hash_chain, namespace, token_array
 from prefixserve.router.request import GenerateRequest
 from prefixserve.router.request_router import _generate_request, _request_key
-from prefixserve.router.router_state import RouterSettings, RouterState
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 from prefixserve.router.serve_compat import (
     PendingRequest,
     ReplicaID,

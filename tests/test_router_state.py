@@ -7,21 +7,15 @@ import asyncio
 import pytest
 
 from prefixserve.router.blocks import Chain, hash_chain, namespace
+from prefixserve.router.chains import common_blocks, goes_past, shares_block
+from prefixserve.router.decision_types import Candidate, Prediction, tie_key
 from prefixserve.router.events import WorkerLoad
+from prefixserve.router.in_flight import Routed
 from prefixserve.router.index import LookupResult, WorkerInfo, WorkerMatch
 from prefixserve.router.policy import PolicyConfig, WorkerView, rank, rendezvous
-from prefixserve.router.router_state import (
-    Candidate,
-    LocalPredictions,
-    Prediction,
-    Routed,
-    RouterSettings,
-    RouterState,
-    common_blocks,
-    goes_past,
-    shares_block,
-    tie_key,
-)
+from prefixserve.router.predictions import LocalPredictions
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 
 NS = namespace("fp")
 TOKENS_A = list(range(16 * 6))
@@ -39,8 +33,8 @@ def state(**kw) -> RouterState:
 
 def compatible_state(**kw) -> RouterState:
     st = state(**kw)
-    st.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
-    assert st.compatible
+    st.gate.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
+    assert st.gate.compatible
     return st
 
 
@@ -201,7 +195,7 @@ LONG_CHAIN = hash_chain(LONG, 4, NS)
 
 def small_blocks_state() -> RouterState:
     st = state(block_size=4)
-    st.check_workers([WorkerInfo(1, "a", 1, 4, "fp", "")], [], now=0.0)
+    st.gate.check_workers([WorkerInfo(1, "a", 1, 4, "fp", "")], [], now=0.0)
     return st
 
 
@@ -462,7 +456,7 @@ def test_no_prediction_when_unusable_unknown_or_fully_confirmed() -> None:
     st.context(2, TOKENS_A, None, now=0.0)
     assert st.sent(2, "c", "r", now=0.0) is None  # no index worker id for c
     st.context(3, TOKENS_A, None, now=0.0)
-    st.lookup_failed(now=0.0)
+    st.gate.lookup_failed(now=0.0)
     assert st.sent(3, "a", "r", now=0.5) is None  # in fail-open backoff
 
 
@@ -480,36 +474,36 @@ def test_completed_drops_only_the_matching_record() -> None:
 
 def test_fail_open_gate_and_backoff() -> None:
     st = state(failopen_backoff_s=1.0)
-    assert st.lookup_blocked(0.0) == "unchecked" and not st.usable(0.0)
-    st.check_workers([WorkerInfo(1, "a", 1, 32, "fp", "")], [], now=0.0)
-    assert st.lookup_blocked(0.0) == "incompatible"
-    st.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
-    assert st.lookup_blocked(0.0) is None and st.usable(0.0)
-    st.lookup_failed(now=10.0)
-    assert st.lookup_blocked(10.9) == "backoff" and not st.usable(10.9)
-    assert st.lookup_blocked(11.0) is None and st.usable(11.0)
-    assert not state(prefix_routing=False).usable(0.0)
+    assert st.gate.lookup_blocked(0.0) == "unchecked" and not st.gate.usable(0.0)
+    st.gate.check_workers([WorkerInfo(1, "a", 1, 32, "fp", "")], [], now=0.0)
+    assert st.gate.lookup_blocked(0.0) == "incompatible"
+    st.gate.check_workers([WorkerInfo(1, "a", 1, 16, "fp", "")], [], now=0.0)
+    assert st.gate.lookup_blocked(0.0) is None and st.gate.usable(0.0)
+    st.gate.lookup_failed(now=10.0)
+    assert st.gate.lookup_blocked(10.9) == "backoff" and not st.gate.usable(10.9)
+    assert st.gate.lookup_blocked(11.0) is None and st.gate.usable(11.0)
+    assert not state(prefix_routing=False).gate.usable(0.0)
 
 
 def test_check_adopts_the_fingerprint_and_reads_routing_stats() -> None:
     st = state(fingerprint=None)
-    st.check_workers([], [Candidate("a", {"block_size": 16, "fingerprint": "fp2"})], now=0.0)
-    assert st.fingerprint == "fp2" and st.compatible
-    st.check_workers([], [Candidate("b", {"block_size": 8, "fingerprint": "fp2"})], now=1.0)
-    assert st.compatible is False  # a worker with another block size turns prefix routing off
+    st.gate.check_workers([], [Candidate("a", {"block_size": 16, "fingerprint": "fp2"})], now=0.0)
+    assert st.gate.fingerprint == "fp2" and st.gate.compatible
+    st.gate.check_workers([], [Candidate("b", {"block_size": 8, "fingerprint": "fp2"})], now=1.0)
+    assert st.gate.compatible is False  # a worker with another block size turns prefix routing off
 
 
 def test_check_is_not_adopting_among_several_fingerprints() -> None:
     st = state(fingerprint=None)
     workers = [WorkerInfo(1, "a", 1, 16, "x", ""), WorkerInfo(2, "b", 1, 16, "y", "")]
-    st.check_workers(workers, [], now=0.0)
-    assert st.fingerprint is None and st.compatible is False
+    st.gate.check_workers(workers, [], now=0.0)
+    assert st.gate.fingerprint is None and st.gate.compatible is False
 
 
 def test_check_schedule() -> None:
     st = state(check_interval_s=30.0, failopen_backoff_s=1.0)
-    assert st.check_due(0.0) and not st.check_due(29.9) and st.check_due(30.0)
-    st.check_workers([], [], now=40.0)  # nobody registered yet: soon again
-    assert st.compatible is None and st.next_check == 41.0
-    st.check_postponed(now=50.0)
-    assert not st.check_due(50.5) and st.check_due(51.0)
+    assert st.gate.check_due(0.0) and not st.gate.check_due(29.9) and st.gate.check_due(30.0)
+    st.gate.check_workers([], [], now=40.0)  # nobody registered yet: soon again
+    assert st.gate.compatible is None and st.gate.next_check == 41.0
+    st.gate.check_postponed(now=50.0)
+    assert not st.gate.check_due(50.5) and st.gate.check_due(51.0)

@@ -26,7 +26,7 @@ from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import rendezvous
 from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.request_router import NoSuchReplica
-from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import worker_deployment
 

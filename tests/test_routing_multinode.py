@@ -17,7 +17,7 @@ from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.request import GenerateRequest, TokenDelta
-from prefixserve.router.router_state import RouterSettings
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import worker_deployment
 

@@ -121,6 +121,17 @@ def test_validate_accepts_the_bounds(fields: dict[str, object]):
     SamplingParams(**fields).validate()
 
 
+def test_from_dict_takes_known_fields_validated_and_names_unknown_ones():
+    params = SamplingParams.from_dict({"max_tokens": 3, "stop_token_ids": [7], "seed": 1})
+    assert (params.max_tokens, params.stop_token_ids, params.seed) == (3, (7,), 1)
+    assert SamplingParams.from_dict({}) == SamplingParams()
+    with pytest.raises(InvalidRequestError,
+                       match=r"^unknown sampling parameters: \['best_of', 'z'\]$"):
+        SamplingParams.from_dict({"z": 1, "best_of": 2, "max_tokens": 3})
+    with pytest.raises(InvalidRequestError, match=r"^max_tokens must be an integer >= 1, got 0$"):
+        SamplingParams.from_dict({"max_tokens": 0})
+
+
 def test_greedy_threshold():
     assert SamplingParams(temperature=0).greedy
     assert SamplingParams(temperature=GREEDY_TEMPERATURE / 2).greedy

@@ -12,7 +12,7 @@ from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
 from prefixserve.router.index import IndexSettings, ResultCode
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.redis_index import key_tag
+from prefixserve.router.redis_records import key_tag
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
 
 SHARDS = 3

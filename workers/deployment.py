@@ -33,7 +33,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -45,47 +45,20 @@ from prefixserve.router.index_stores import open_index
 from prefixserve.router.publisher import EventPublisher
 from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.secret_refs import resolve
-from prefixserve.workers.checkpoints import resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
+from prefixserve.workers.engine_source import load_engine
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
 from prefixserve.workers.sampling_params import SamplingParams
-from prefixserve.workers.sim.engine import SimEngine
-from prefixserve.workers.sim.profiles import is_sim_model, profile_for
 from prefixserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("ray.serve")
 
-_SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-
 STALL_TIMEOUT_S = 60.0  # far above any one step's time, even a long CPU prefill
 DEREGISTER_TIMEOUT_S = 2.0
 ABORT_GRACE_S = 1.0  # for aborted streams' consumers to take their final "abort" delta
-
-
-def sampling_params(sampling: dict[str, Any]) -> SamplingParams:
-    """The request's plain dict as validated SamplingParams (InvalidRequestError otherwise)."""
-    unknown = set(sampling) - _SAMPLING_FIELDS
-    if unknown:
-        raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
-    params = SamplingParams(**sampling)
-    params.validate()
-    return params
-
-
-def _load_engine(
-    model: str, config: EngineConfig, on_kv_events: Callable[[list[KVEvent]], None]
-) -> LLMEngine | SimEngine:
-    """The engine for `model`, resolved on this node (a GGUF converted once per node);
-    ``sim:<profile>`` is a simulated engine whose steps sleep their modelled time, its token ids
-    within the sim tokenizer's vocabulary (docs/simulation.md)."""
-    if is_sim_model(model):
-        profile = profile_for(model)
-        return SimEngine(profile, config, on_kv_events, sleep=True,
-                         vocab_size=profile.served_vocab_size)
-    return LLMEngine.from_pretrained(resolve_checkpoint(model), config, on_kv_events)
 
 
 class LLMWorker:
@@ -146,7 +119,7 @@ class LLMWorker:
         index = IndexSettings.model_validate(index or {})
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(
-            _load_engine, model, config, self._on_kv_events
+            load_engine, model, config, self._on_kv_events
         )
         self.block_size = self.engine.block_size
         self.fingerprint = self.engine.model_fingerprint
@@ -186,7 +159,7 @@ class LLMWorker:
         Raises InvalidRequestError for bad input. If the caller goes away (the generator is
         closed or cancelled), the request is aborted and its blocks are freed.
         """
-        params = sampling_params(request.sampling or {})
+        params = SamplingParams.from_dict(request.sampling or {})
         self._require_loop()
         if self._closed:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")

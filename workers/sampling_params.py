@@ -7,7 +7,8 @@ worker boundary as this dataclass. `validate` names the first bad field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from prefixserve.workers.errors import InvalidRequestError
 
@@ -38,6 +39,16 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]; 0 => off
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many were generated
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+
+    @classmethod
+    def from_dict(cls, sampling: dict[str, Any]) -> SamplingParams:
+        """A request's plain dict as validated settings (InvalidRequestError otherwise)."""
+        unknown = set(sampling) - {f.name for f in fields(cls)}
+        if unknown:
+            raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
+        params = cls(**sampling)
+        params.validate()
+        return params
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
