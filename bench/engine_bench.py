@@ -27,12 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, is_gguf, locate, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.models.base import to_dtype
 from prefixserve.workers.models.config import ModelConfig, load_model_config
-from prefixserve.workers.sampling_params import SamplingParams
 
 
 @dataclass

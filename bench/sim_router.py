@@ -26,9 +26,9 @@ import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from prefixserve.bench.redis_time import lookup_clock
-from prefixserve.router.blocks import Chain
+from prefixserve.router.decision import LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate
-from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, within
+from prefixserve.router.index import IndexSettings, PrefixIndex
 from prefixserve.router.index_follower import IndexFollower
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.ray_prefix import TOKEN_CHAR_BASE
@@ -38,9 +38,6 @@ from prefixserve.router.router_state import RouterState
 POLICIES = ("prefix", "pow2", "round_robin", "ray_prefix")
 RAY_MATCH_RATE_THRESHOLD = 0.1  # PrefixCacheAffinityRouter's default
 GC_EVERY_DECISIONS = 1000  # a router process collects between decisions this often
-# A decision waits this many index deadlines for a lookup: a busy simulator must not fail open
-# where a router would not.
-LOOKUP_WAIT_DEADLINES = 4
 
 
 def check_policy(policy: str, index: object | None) -> None:
@@ -86,8 +83,10 @@ class SimRouter:
         self.rng = random.Random(seed)
         self.tree = PrefixTree()  # ray_prefix's
         self.tree.add_tenants(self.names, 0.0)
-        self.lookup_wait_s = LOOKUP_WAIT_DEADLINES * index_deadline_s
         self.local = local if self.index is not None else None
+        # the Serve request router's decision, through the same code
+        self.core = RoutingCore(self.state, LookupSource(
+            self.state, self.index, self.local, index_deadline_s))
         self.redis_time = redis_time if self.index is not None and local is None else None
         self.timings = Timings()
         self._rr = itertools.cycle(range(len(self.names)))
@@ -118,11 +117,11 @@ class SimRouter:
         if self.redis_time is not None:
             t.redis_s.append(self.redis_time() / 1000)
         if self.policy == "prefix":  # after the decision, as Serve's on_request_routed
-            self.state.sent(key, self.names[chosen], str(key), now)
+            self.core.sent(key, self.names[chosen], str(key), now)
         return chosen
 
     def completed(self, worker: int, key: int) -> None:
-        self.state.completed(self.names[worker], str(key))
+        self.core.completed(self.names[worker], str(key))
 
     async def close(self) -> None:
         """Nothing to release here (the index is the caller's)."""
@@ -140,37 +139,20 @@ class SimRouter:
 
     async def _rank(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
                     now: float) -> int:
-        state, t = self.state, self.timings
-        start = time.perf_counter()
-        ctx = state.context(key, tokens, None, now)
-        t.hash_s.append(time.perf_counter() - start)
-        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
-        start = time.perf_counter()
         candidates = [Candidate(name, queue_len=q) for name, q in zip(self.names, ongoing,
                                                                       strict=True)]
-        ranking = state.rank(key, ctx, candidates, result, now)
-        t.rank_s.append(time.perf_counter() - start)
-        best = ranking[0].key
-        state.note_routed(key, best, ctx, str(key), now)
-        return self.at[best]
-
-    async def _lookup(self, chain: Chain, now: float) -> LookupResult | None:
-        assert self.index is not None
-        if self.state.gate.lookup_blocked(now) is not None:
-            return None
-        start = time.perf_counter()
-        if self.local is not None:
-            result = self.local.lookup(chain)
-        else:
-            try:
-                result = await within(self.index.lookup(chain), self.lookup_wait_s)
-            except Exception:  # fail open, as the request router does
-                self.timings.lookups_failed += 1
-                self.state.gate.lookup_failed(now)
-                return None
-        self.timings.lookup_s.append(time.perf_counter() - start)
-        self.state.looked_up(result)
-        return result
+        decision = await self.core.decide(key, tokens, None, candidates, str(key), now)
+        t = self.timings
+        t.hash_s.append(decision.hash_s)
+        t.rank_s.append(decision.rank_s)
+        for attempt in decision.lookups:
+            if attempt.source is None:
+                continue
+            if attempt.failopen is None:
+                t.lookup_s.append(attempt.seconds)
+            else:
+                t.lookups_failed += 1
+        return self.at[decision.best]
 
 
 @dataclass(frozen=True)

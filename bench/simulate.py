@@ -72,10 +72,10 @@ from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import PolicyConfig
 from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_cache import KVCacheManager
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.sim.engine import SimEngine
 from prefixserve.workers.sim.profiles import SimProfile, profile_for
 

@@ -55,6 +55,7 @@ from prefixserve.cluster.tokenize_protocol import (
     VersionResponse,
 )
 from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import resolve_checkpoint
 from prefixserve.workers.models.config import load_model_config
 from prefixserve.workers.sim import profiles as sim
@@ -196,7 +197,7 @@ class OpenAIIngress:
         for ids in prompts:
             self._check_context(len(ids), max_tokens, "prompt")
             await self._check_capacity(len(ids), "prompt")
-        sampling = req.sampling_fields() | {"max_tokens": max_tokens, "logprobs": req.logprobs}
+        sampling = req.sampling_params(max_tokens, req.logprobs)
         gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
                                req.cache_salt)
         if req.stream:
@@ -220,8 +221,7 @@ class OpenAIIngress:
         self._check_cost(1, req.n, max_tokens, req.num_logprobs, "top_logprobs",
                          rest_of_context=req.max_output_tokens is None)
         await self._check_capacity(len(ids), "messages")
-        sampling = req.sampling_fields() | {"max_tokens": max_tokens,
-                                            "logprobs": req.num_logprobs}
+        sampling = req.sampling_params(max_tokens, req.num_logprobs)
         gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
                                req.cache_salt)
         if req.stream:
@@ -379,7 +379,7 @@ class OpenAIIngress:
                            f"{self.kv_capacity} tokens including the first generated one.",
                            param=param, code="kv_capacity_exceeded")
 
-    def _generation(self, kind: str, prompts: list[list[int]], sampling: dict[str, Any],
+    def _generation(self, kind: str, prompts: list[list[int]], sampling: SamplingParams,
                     stops: list[str], request: Request, client_salt: str | None) -> Generation:
         """The request's worker calls, in the tenant's cache namespace (when API keys are on)
         and under its name in the workers' fair-share queue."""

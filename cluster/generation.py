@@ -16,7 +16,6 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError, TaskCancelledError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -26,6 +25,7 @@ from prefixserve.cluster.errors import ApiError
 from prefixserve.cluster.responses import Usage
 from prefixserve.cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.errors import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
@@ -80,7 +80,7 @@ class Generation:
     tokenizer: Tokenizer
     request_id: str
     prompts: list[list[int]]
-    sampling: dict[str, Any]
+    sampling: SamplingParams
     stops: list[str]
     cache_salt: str | None
     tenant: str | None = None  # the API key's tenant: the workers queue tenants fairly
@@ -96,7 +96,7 @@ class Generation:
 
     @property
     def num_choices(self) -> int:
-        return len(self.prompts) * self.sampling["n"]
+        return len(self.prompts) * self.sampling.n
 
     def usage(self) -> Usage:
         return Usage.of(
@@ -134,7 +134,7 @@ class Generation:
         of `p`'s output has been passed on, so nothing the client saw is lost or repeated."""
         self.choices[p] = [
             _Choice(self.tokenizer.detokenizer(self.prompts[p]), StopChecker(self.stops))
-            for _ in range(self.sampling["n"])
+            for _ in range(self.sampling.n)
         ]
         self.cached_tokens[p] = 0
         self.served_by[p] = set()
@@ -154,7 +154,7 @@ class Generation:
             return None
         choice.num_tokens += len(delta.token_ids)
         # Stop strings count only past min_tokens, as vLLM (EOS and stop ids: the engine).
-        check = choice.num_tokens > self.sampling.get("min_tokens", 0)
+        check = choice.num_tokens > self.sampling.min_tokens
         text, stopped = choice.stop.add(choice.detok.add(delta.token_ids), check)
         finish = None
         if not stopped and delta.finished:

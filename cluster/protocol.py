@@ -21,14 +21,20 @@ from pydantic import (
     model_validator,
 )
 
-MAX_N = 16  # samples per prompt
+from prefixserve.router.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PENALTY,
+    MAX_SEED,
+    SamplingParams,
+)
+
+# The sampling settings' bounds are the request protocol's (router/sampling_params.py): the
+# engine validates against the same numbers. These bound what only the API has.
 MAX_PROMPTS = 32  # prompts per completions request (batch)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
-MAX_TOP_LOGPROBS = 20
-MAX_SEED = 2**63 - 1
-MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty|
-MAX_LOGIT_BIAS = 100.0  # |bias| per token
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: each costs the worker on every step
 
 
@@ -131,9 +137,11 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def sampling_fields(self) -> dict[str, Any]:
-        """The `SamplingParams` fields this request sets (max_tokens/logprobs: per endpoint)."""
-        fields: dict[str, Any] = {"n": self.n, "ignore_eos": self.ignore_eos}
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The request's sampling settings (max_tokens and logprobs: as each endpoint reads
+        them)."""
+        fields: dict[str, Any] = {"n": self.n, "ignore_eos": self.ignore_eos,
+                                  "max_tokens": max_tokens, "logprobs": logprobs}
         if self.temperature is not None:
             fields["temperature"] = self.temperature
         if self.top_p is not None:
@@ -151,7 +159,7 @@ class _SamplingRequest(_Request):
             fields["min_tokens"] = self.min_tokens
         if self.logit_bias:
             fields["logit_bias"] = self.logit_bias_ids
-        return fields
+        return SamplingParams(**fields)
 
 
 PromptInput = str | list[int]
@@ -160,7 +168,7 @@ PromptInput = str | list[int]
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -255,7 +263,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension, for chat templates

@@ -7,7 +7,9 @@ one character (``chr(0xE000 + id)``: above the surrogates, so any id below ~1.05
 code point), so the tree's character prefixes are token prefixes. A salted request starts with
 its salt and a NUL, which no token character is: tenants never share tree entries, as they never
 share KV blocks. Pending requests are fulfilled by identity (`ServeRequestRouter`): Serve's
-default matching by request id would leave the second of a batch's handle calls unrouted.
+default matching by request id would leave the second of a batch's handle calls unrouted. Calls
+aimed at one replica and calls that generate nothing are routed as every policy routes them
+(:mod:`router.call_routing`); Ray's router ranks the generate calls.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
     PrefixCacheAffinityRouter,
 )
 
+from prefixserve.router.call_routing import Tiers, route_call
 from prefixserve.router.request import GenerateRequest
-from prefixserve.router.serve_compat import PendingRequest, ServeRequestRouter
+from prefixserve.router.serve_compat import PendingRequest, RunningReplica, ServeRequestRouter
 
 TOKEN_CHAR_BASE = 0xE000  # private use area, past the surrogates (0xD800-0xDFFF)
 
@@ -29,6 +32,17 @@ def token_text(request: GenerateRequest) -> str:
 
 
 class RayPrefixRouter(ServeRequestRouter, PrefixCacheAffinityRouter):
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> Tiers:
+        return await route_call(self, candidate_replicas, pending_request, self._affinity)
+
+    async def _affinity(self, candidates: list[RunningReplica], pending: PendingRequest,
+                        request: GenerateRequest) -> Tiers:
+        return await super().choose_replicas(candidates, pending)
+
     def _extract_text_from_request(self, pending_request: PendingRequest) -> str:
         for arg in pending_request.args:
             if isinstance(arg, GenerateRequest):

@@ -2,24 +2,24 @@
 
 Token ids, not text: workers are token-in / token-out and the router hashes these ids. A
 prompt is held packed (:func:`router.blocks.token_array`), so neither the router nor Ray's
-pickling touches each id. Sampling parameters travel as a plain dict so that `router` never
-imports `workers`.
+pickling touches each id. Sampling settings travel typed (`router.sampling_params`), and the
+engine validates them as it takes the request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from prefixserve.router.blocks import token_array
+from prefixserve.router.sampling_params import SamplingParams
 
 
 @dataclass
 class GenerateRequest:
     request_id: str
     prompt_token_ids: Sequence[int]  # held as a token_array
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None  # already derived server-side (tenant); None = no salt
     tenant: str | None = None  # whose fair share of a worker's queue; None: one shared tenant
 

@@ -39,7 +39,6 @@ import asyncio
 import itertools
 import logging
 import os
-import random
 import time
 from collections.abc import Coroutine
 from typing import Any
@@ -47,9 +46,10 @@ from typing import Any
 import ray
 from ray.util import metrics
 
-from prefixserve.router.blocks import Chain
+from prefixserve.router.call_routing import ranked_tiers, route_call
+from prefixserve.router.decision import LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate, Prediction
-from prefixserve.router.index import REDIS_URL_ENV, IndexSettings, LookupResult, PrefixIndex, within
+from prefixserve.router.index import REDIS_URL_ENV, IndexSettings, PrefixIndex
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.request import GenerateRequest
@@ -61,9 +61,6 @@ from prefixserve.router.serve_compat import (
     ReplicaID,
     RunningReplica,
     ServeRequestRouter,
-    call_arguments,
-    call_option,
-    created_at,
     internal_request_id,
     replica_key,
     routing_stats,
@@ -74,10 +71,6 @@ logger = logging.getLogger("ray.serve")
 _LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25]
 _DEPTH_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
-
-
-class NoSuchReplica(LookupError):
-    """A ``target_worker`` call named a replica that is not running (dead, or never was)."""
 
 
 class PrefixAwareRequestRouter(ServeRequestRouter):
@@ -104,8 +97,11 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         self._index_settings = IndexSettings.model_validate(index or {})
         self._state = RouterState(RouterSettings.model_validate(settings or {}),
                                   self._index_settings)
+        # the index and its follower are opened on first use (_get_index)
+        self._source = LookupSource(self._state, None, None,
+                                    self._state.settings.lookup_deadline_s)
+        self._core = RoutingCore(self._state, self._source)
         self._index: PrefixIndex | None = None
-        self._follower: IndexFollower | None = None
         self._background: set[asyncio.Task] = set()
         self._check_task: asyncio.Task | None = None
 
@@ -152,21 +148,10 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        target = call_option(pending_request, "target_worker")
-        if target is not None:  # a call aimed at one replica (stats, cache reset)
-            return self._route_to_target(candidate_replicas, pending_request, target)
-        request = _generate_request(pending_request)
-        if pending_request is None or request is None:
-            # Not a generate call (stats, ...): any replica, the least busy of a random order.
-            return [random.sample(candidate_replicas, len(candidate_replicas))]
-        try:
-            return await self._rank_replicas(candidate_replicas, pending_request, request)
-        except Exception:  # a bug here must not strand the request: Serve would retry forever
-            logger.exception("prefix-aware ranking failed; routing by queue length instead")
-            self._failopen.inc(tags={"reason": "error"})
-            return [random.sample(candidate_replicas, len(candidate_replicas))]
+        return await route_call(
+            self, candidate_replicas, pending_request, self._rank_replicas,
+            target_wait_s=self._state.settings.target_wait_s,
+            on_error=lambda: self._failopen.inc(tags={"reason": "error"}))
 
     async def _rank_replicas(
         self,
@@ -176,57 +161,40 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
     ) -> list[list[RunningReplica]]:
         start = time.perf_counter()
         now = time.time()
-        state = self._state
-        if state.settings.prefix_routing:
+        if self._state.settings.prefix_routing:
+            self._get_index()
             await self._maybe_check_workers(candidate_replicas, now)
-        key = _request_key(pending_request)
-        ctx = state.context(key, request.prompt_token_ids, request.cache_salt, now)
-        result = await state.match(ctx, lambda chain: self._lookup(chain, now), now)
-        ranking = state.rank(key, ctx, self._candidates(candidate_replicas), result, now)
-        best = ranking[0]
-        state.note_routed(key, best.key, ctx, internal_request_id(pending_request), now)
-
+        decision = await self._core.decide(
+            _request_key(pending_request), request.prompt_token_ids, request.cache_salt,
+            self._candidates(candidate_replicas), internal_request_id(pending_request), now)
+        for attempt in decision.lookups:
+            if attempt.source is not None:
+                self._lookups.inc(tags={"source": attempt.source})
+            if attempt.failopen is not None:
+                self._failopen.inc(tags={"reason": attempt.failopen})
         self._latency.observe(time.perf_counter() - start)
-        by_key = {replica_key(r): r for r in candidate_replicas}
-        tiers = [[by_key[best.key]]]
-        if len(ranking) > 1:
-            tiers.append([by_key[k] for k in ranking.keys[1:]])
-        return tiers
+        return ranked_tiers(candidate_replicas, decision.ranking.keys)
 
     def _candidates(self, replicas: list[RunningReplica]) -> list[Candidate]:
         return [Candidate(replica_key(r), routing_stats(r), self.queue_len(r)) for r in replicas]
-
-    def _route_to_target(
-        self, candidates: list[RunningReplica], pr: PendingRequest, target: str
-    ) -> list[list[RunningReplica]]:
-        """That replica only; fail the call once it has been missing for ``target_wait_s``."""
-        chosen = [r for r in candidates if replica_key(r) == target]
-        if chosen or time.time() - created_at(pr) < self._state.settings.target_wait_s:
-            return [chosen]
-        self.fail_pending(pr, NoSuchReplica(
-            f"no running replica {target!r} in {self.deployment_name} "
-            f"(running: {sorted(replica_key(r) for r in candidates)})"
-        ))
-        return [candidates]  # Serve's routing loop sees the call done and drops it
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:
         """Serve sent it (possibly not to our first choice): count, record and announce the
         truth."""
-        key, worker = _request_key(pending_request), replica_key(replica_id)
-        outcome = self._state.outcome(key, worker)
+        outcome, prediction = self._core.sent(
+            _request_key(pending_request), replica_key(replica_id),
+            internal_request_id(pending_request), time.time())
         if outcome is not None:
             self._matched.observe(outcome.matched_blocks)
             if outcome.spill is not None:
                 self._spill.inc(tags={"reason": outcome.spill})
-        prediction = self._state.sent(key, worker, internal_request_id(pending_request),
-                                      time.time())
         if prediction is not None and self._index is not None:
             self._spawn(self._predict(self._index, prediction))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._state.completed(replica_key(replica_id), internal_request_id)
+        self._core.completed(replica_key(replica_id), internal_request_id)
 
     # ------------------------------------------------------------------------------- index
 
@@ -239,49 +207,14 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
                 deadline_s=settings.lookup_deadline_s,
                 settings=self._index_settings,
             )
+            self._source.index = self._index
             logs = event_logs(self._index) if self._index_settings.event_log else None
             if logs is not None:
-                self._follower = IndexFollower(self._index, logs,
-                                               log_entries=self._index_settings.event_log)
-                self._spawn(_follow_while_ray_runs(self._follower))
+                follower = IndexFollower(self._index, logs,
+                                         log_entries=self._index_settings.event_log)
+                self._source.follower = follower
+                self._spawn(_follow_while_ray_runs(follower))
         return self._index
-
-    def _fail_open(self, reason: str) -> None:
-        self._failopen.inc(tags={"reason": reason})
-
-    async def _lookup(self, chain: Chain, now: float) -> LookupResult | None:
-        """One index round trip within the deadline, or None (load-only ranking)."""
-        state = self._state
-        if not state.settings.prefix_routing:
-            return None
-        index = self._get_index()
-        if index is None:
-            self._fail_open("unset")
-            return None
-        reason = state.gate.lookup_blocked(now)
-        if reason is not None:
-            self._fail_open(reason)
-            return None
-        follower = self._follower
-        if follower is not None and follower.ready:
-            result = follower.lookup(chain)
-            self._lookups.inc(tags={"source": "local"})
-            state.looked_up(result)
-            return result
-        self._lookups.inc(tags={"source": "index"})
-        try:
-            result = await within(index.lookup(chain), 4 * state.settings.lookup_deadline_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            self._fail_open("timeout")
-            state.gate.lookup_failed(now)
-            return None
-        except Exception as exc:  # IndexUnavailable and anything else: serving goes on
-            logger.debug("prefix index lookup failed: %r", exc)
-            self._fail_open("unavailable")
-            state.gate.lookup_failed(now)
-            return None
-        state.looked_up(result)
-        return result
 
     async def _predict(self, index: PrefixIndex, prediction: Prediction) -> None:
         """Only the blocks the worker does not hold yet; other routers see them at once."""
@@ -289,7 +222,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             await asyncio.wait_for(
                 index.predict(prediction.chain, prediction.worker_id,
                               from_block=prediction.from_block),
-                timeout=4 * self._state.settings.lookup_deadline_s,
+                timeout=self._source.wait_s,
             )
         except Exception as exc:  # advisory only
             logger.debug("predicted entry not written: %r", exc)
@@ -357,15 +290,6 @@ def _request_key(pr: PendingRequest) -> int:
         key = next(_request_keys)
         setattr(pr, _REQUEST_KEY, key)
     return key
-
-
-def _generate_request(pr: PendingRequest | None) -> GenerateRequest | None:
-    if pr is None:
-        return None
-    for arg in call_arguments(pr):
-        if isinstance(arg, GenerateRequest):
-            return arg
-    return None
 
 
 def _index_url(configured: str | None) -> str | None:

@@ -1,26 +1,26 @@
 """`RoundRobinRequestRouter`: the cache-blind baseline the prefix-aware router is measured against.
 
-Each routing decision takes the next replica in a fixed order (sorted by replica id, so the order
+Each generate call takes the next replica in a fixed order (sorted by replica id, so the order
 survives replica-set updates); the others follow as fallbacks in the same rotation, so Serve moves
-on to the next one when the first is full. FIFOMixin: Serve gives all handle calls made while
-serving one request the parent's internal request id, so exact-id matching would leave all but
-the first of concurrent calls (a batch of prompts) unrouted; FIFO fulfilment does not care.
+on to the next one when the first is full. Calls aimed at one replica and other calls are routed
+as every policy routes them (:mod:`router.call_routing`); pending calls are fulfilled by identity.
 """
 
 from __future__ import annotations
 
 import itertools
 
+from prefixserve.router.call_routing import Tiers, route_call
+from prefixserve.router.request import GenerateRequest
 from prefixserve.router.serve_compat import (
-    FIFOMixin,
     PendingRequest,
-    RequestRouter,
     RunningReplica,
+    ServeRequestRouter,
     replica_key,
 )
 
 
-class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
+class RoundRobinRequestRouter(ServeRequestRouter):
     def initialize_state(self) -> None:
         self._turn = itertools.count()
 
@@ -28,10 +28,12 @@ class RoundRobinRequestRouter(FIFOMixin, RequestRouter):
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        ordered = sorted(candidate_replicas, key=replica_key)
+    ) -> Tiers:
+        return await route_call(self, candidate_replicas, pending_request, self._rotate)
+
+    async def _rotate(self, candidates: list[RunningReplica], pending: PendingRequest,
+                      request: GenerateRequest) -> Tiers:
+        ordered = sorted(candidates, key=replica_key)
         start = next(self._turn) % len(ordered)
         rotation = ordered[start:] + ordered[:start]
         return [[rotation[0]], rotation[1:]] if len(rotation) > 1 else [rotation]

@@ -15,7 +15,6 @@ from typing import Any
 
 from ray.serve._private.common import RequestMetadata
 from ray.serve.request_router import (
-    FIFOMixin,
     PendingRequest,
     ReplicaID,
     RequestRouter,
@@ -23,7 +22,6 @@ from ray.serve.request_router import (
 )
 
 __all__ = [
-    "FIFOMixin",
     "PendingRequest",
     "ReplicaID",
     "RequestMetadata",

@@ -23,12 +23,12 @@ from transformers import (
 
 from prefixserve.router.blocks import hash_chain
 from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
 from prefixserve.workers.models.config import load_model_config
-from prefixserve.workers.sampling_params import SamplingParams
 
 VOCAB = 256
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -10,12 +10,12 @@ from test_kv_cache import BS, admit, chain, check_invariants
 
 from prefixserve.router.blocks import hash_chain
 from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import StepFailedError
 from prefixserve.workers.kv_cache import KVCacheManager
-from prefixserve.workers.sampling_params import SamplingParams
 
 BLOCK = 16
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -40,9 +40,9 @@ from prefixserve.bench.soak import (
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.call_routing import NoSuchReplica
 from prefixserve.router.index import INDEX_KEY_BYTES, PrefixIndex
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.request_router import NoSuchReplica
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-faults"

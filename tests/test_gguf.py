@@ -18,13 +18,13 @@ from gguf import GGMLQuantizationType as Q
 from ggufkit import write_gguf
 
 from prefixserve.cluster.cli import main
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import convert_gguf, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.gguf import GGUFError, GGUFFile
 from prefixserve.workers.models.config import load_model_config
 from prefixserve.workers.models.loader import load_model
-from prefixserve.workers.sampling_params import SamplingParams
 
 # Widths are multiples of 256 so every weight can take a K-quant (256-value blocks).
 SHAPE = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,

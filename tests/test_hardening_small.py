@@ -7,12 +7,12 @@ import torch
 from pydantic import ValidationError
 
 from prefixserve.cluster import protocol
+from prefixserve.router import sampling_params as params_mod
 from prefixserve.router.redis_connection import safe_url
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers import sampling
-from prefixserve.workers import sampling_params as params_mod
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.sampling import Sampler
-from prefixserve.workers.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ from transformers import (
     SequenceBiasLogitsProcessor,
 )
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.logits_processors import (
     TokenHistory,
     apply_min_p,
@@ -19,7 +20,6 @@ from prefixserve.workers.logits_processors import (
     process_logits,
 )
 from prefixserve.workers.sampling import Sampler, make_generator
-from prefixserve.workers.sampling_params import SamplingParams
 
 V = 40
 

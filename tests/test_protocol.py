@@ -13,6 +13,7 @@ from prefixserve.cluster.protocol import (
     format_validation_error,
 )
 from prefixserve.cluster.responses import ErrorResponse, Usage
+from prefixserve.router.sampling_params import SamplingParams
 
 
 def _error(model: type, body: dict | str) -> tuple[str, str | None]:
@@ -102,29 +103,27 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted() -> None:
     }))
 
 
-def test_sampling_fields() -> None:
+def test_sampling_params() -> None:
     req = CompletionRequest.model_validate_json(json.dumps({
         "prompt": "x", "temperature": 0, "top_p": 0.5, "top_k": -1, "seed": 7, "n": 2,
         "stop": "END", "stop_token_ids": [3], "ignore_eos": True,
     }))
-    assert req.sampling_fields() == {
-        "n": 2, "ignore_eos": True, "temperature": 0.0, "top_p": 0.5, "top_k": 0, "seed": 7,
-        "stop_token_ids": [3],
-    }
+    assert req.sampling_params(5, 2) == SamplingParams(
+        n=2, ignore_eos=True, temperature=0.0, top_p=0.5, top_k=0, seed=7,
+        stop_token_ids=(3,), max_tokens=5, logprobs=2,
+    )
     assert req.stop_strings == ["END"]
-    assert CompletionRequest.model_validate_json('{"prompt": "x"}').sampling_fields() == {
-        "n": 1, "ignore_eos": False,
-    }
+    plain = CompletionRequest.model_validate_json('{"prompt": "x"}').sampling_params(16, None)
+    assert plain == SamplingParams(max_tokens=16)
     vllm = ChatCompletionRequest.model_validate_json(json.dumps({
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 8,
         "frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"7": -100, "12": 2.5},
         "repetition_penalty": 1.1, "min_p": 0.05, "min_tokens": 8,
     }))
-    assert vllm.sampling_fields() == {
-        "n": 1, "ignore_eos": False, "frequency_penalty": 0.5, "presence_penalty": -1.0,
-        "logit_bias": {7: -100.0, 12: 2.5}, "repetition_penalty": 1.1, "min_p": 0.05,
-        "min_tokens": 8,
-    }
+    assert vllm.sampling_params(8, None) == SamplingParams(
+        max_tokens=8, frequency_penalty=0.5, presence_penalty=-1.0,
+        logit_bias={7: -100.0, 12: 2.5}, repetition_penalty=1.1, min_p=0.05, min_tokens=8,
+    )
 
 
 def test_chat_messages() -> None:

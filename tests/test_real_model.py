@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, packaged_gguf, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
-from prefixserve.workers.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow  # loads the 135M model twice (ours and transformers)
 

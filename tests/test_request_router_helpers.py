@@ -8,8 +8,9 @@ import pytest
 from ray.serve._private.common import DeploymentID
 
 from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.call_routing import generate_request
 from prefixserve.router.request import GenerateRequest
-from prefixserve.router.request_router import _generate_request, _request_key
+from prefixserve.router.request_router import _request_key
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.router_state import RouterState
 from prefixserve.router.serve_compat import (
@@ -52,10 +53,10 @@ def test_request_key_is_stable_per_request() -> None:
 
 def test_the_generate_request_is_found_in_args_or_kwargs() -> None:
     req = GenerateRequest("x", [1, 2])
-    assert _generate_request(PendingRequest([1, req], {}, META, future=None)) is req
-    assert _generate_request(PendingRequest([], {"request": req}, META, future=None)) is req
-    assert _generate_request(PendingRequest(["stats"], {}, META, future=None)) is None
-    assert _generate_request(None) is None
+    assert generate_request(PendingRequest([1, req], {}, META, future=None)) is req
+    assert generate_request(PendingRequest([], {"request": req}, META, future=None)) is req
+    assert generate_request(PendingRequest(["stats"], {}, META, future=None)) is None
+    assert generate_request(None) is None
 
 
 def test_a_request_carries_its_prompt_packed_and_checked() -> None:

@@ -12,6 +12,7 @@ import asyncio
 import random
 import time
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import ray
@@ -21,12 +22,14 @@ from servekit import request_router, wait_for
 from prefixserve.cluster.app import request_router_config
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.call_routing import NoSuchReplica
+from prefixserve.router.decision import Decision, LookupSource, RoutingCore
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import rendezvous
 from prefixserve.router.request import GenerateRequest, TokenDelta
-from prefixserve.router.request_router import NoSuchReplica
 from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import worker_deployment
 
@@ -34,7 +37,7 @@ MODEL = "tiny"
 BLOCK = 16
 PREFIX_BLOCKS = 8
 ENGINE = {"block_size": BLOCK, "num_blocks": 160, "max_num_seqs": 16}
-GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+GREEDY = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 MAX_ONGOING = 256
 _ids = iter(range(10**9))
 # a routing bug shows up as a request that never returns
@@ -83,7 +86,7 @@ def suffix() -> list[int]:
 
 
 def request(tokens: list[int], **sampling) -> GenerateRequest:
-    return GenerateRequest(f"req-{next(_ids)}", tokens, {**GREEDY, **sampling})
+    return GenerateRequest(f"req-{next(_ids)}", tokens, replace(GREEDY, **sampling))
 
 
 def run(handle, tokens: list[int]) -> list[TokenDelta]:
@@ -175,7 +178,7 @@ def test_with_the_event_log_on_the_router_answers_lookups_from_its_own_copy(
     handle, event_log
 ) -> None:
     router = request_router(handle)
-    follower = router._follower
+    follower = router._source.follower
     if not event_log:
         assert follower is None
         return
@@ -199,6 +202,28 @@ def test_with_the_event_log_on_the_router_answers_lookups_from_its_own_copy(
     assert second[-1].worker == worker and second[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
     # the second decision saw the first one's prefix on that worker (predicted, or stored)
     assert answered[-1].matches[worker].predicted_depth >= PREFIX_BLOCKS
+
+
+def test_serve_decides_through_the_routing_core(handle) -> None:
+    """The handle's request router makes each decision with the routing core the simulator
+    uses (test_simulate_cluster.py checks that their decisions agree): the request runs on
+    the core's first choice."""
+    core = request_router(handle)._core
+    assert type(core) is RoutingCore and type(core.source) is LookupSource
+    seen: list[Decision] = []
+    decide = core.decide
+
+    async def recorded(*args, **kwargs) -> Decision:
+        seen.append(await decide(*args, **kwargs))
+        return seen[-1]
+
+    core.decide = recorded
+    try:
+        deltas = run(handle, prefix(3) + suffix())
+    finally:
+        del core.decide
+    assert len(seen) == 1 and seen[0].best == deltas[-1].worker
+    assert seen[0].lookups[0].source in ("local", "index")
 
 
 def test_the_prefix_holder_wins_over_the_hash_tie_break(handle, redis_server) -> None:
@@ -238,8 +263,7 @@ def test_sibling_calls_of_one_request_are_each_routed(handle) -> None:
 
         async def __call__(self, prompts: list[list[int]]) -> list[tuple[str, int]]:
             async def one(i: int, tokens: list[int]) -> tuple[str, int]:
-                req = GenerateRequest(f"fan-{i}", tokens,
-                                      {"max_tokens": 2, "temperature": 0, "ignore_eos": True})
+                req = GenerateRequest(f"fan-{i}", tokens, GREEDY)
                 stream = self.workers.options(stream=True).generate.remote(req)
                 deltas = [d async for d in stream]
                 return deltas[-1].worker, deltas[0].num_cached_tokens

@@ -18,12 +18,13 @@ from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import worker_deployment
 
 MODEL = "tiny"
 BLOCK = 16
-GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+GREEDY = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.sampling import Sampler, make_generator
-from prefixserve.workers.sampling_params import SamplingParams
 
 V = 50
 

@@ -7,16 +7,16 @@ import math
 import pytest
 import torch
 
-from prefixserve.workers.errors import InvalidRequestError
-from prefixserve.workers.logits_processors import TokenHistory
-from prefixserve.workers.sampling import Sampler, _truncate, make_generator
-from prefixserve.workers.sampling_params import (
+from prefixserve.router.sampling_params import (
     GREEDY_TEMPERATURE,
     MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
     SamplingParams,
 )
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.logits_processors import TokenHistory
+from prefixserve.workers.sampling import Sampler, _truncate, make_generator
 
 INF = float("inf")
 
@@ -119,17 +119,6 @@ def test_validate_rejects_bools_strings_and_just_out_of_range(field: str, value:
 )
 def test_validate_accepts_the_bounds(fields: dict[str, object]):
     SamplingParams(**fields).validate()
-
-
-def test_from_dict_takes_known_fields_validated_and_names_unknown_ones():
-    params = SamplingParams.from_dict({"max_tokens": 3, "stop_token_ids": [7], "seed": 1})
-    assert (params.max_tokens, params.stop_token_ids, params.seed) == (3, (7,), 1)
-    assert SamplingParams.from_dict({}) == SamplingParams()
-    with pytest.raises(InvalidRequestError,
-                       match=r"^unknown sampling parameters: \['best_of', 'z'\]$"):
-        SamplingParams.from_dict({"z": 1, "best_of": 2, "max_tokens": 3})
-    with pytest.raises(InvalidRequestError, match=r"^max_tokens must be an integer >= 1, got 0$"):
-        SamplingParams.from_dict({"max_tokens": 0})
 
 
 def test_greedy_threshold():

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from prefixserve.router.blocks import BlockHasher
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.kv_cache import KVCacheManager
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 BS = 4

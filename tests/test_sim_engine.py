@@ -13,10 +13,10 @@ from collections import defaultdict
 
 import pytest
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import BUSY_WINDOW_S, BusyShare, EngineConfig
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.scheduler import Sequence
 from prefixserve.workers.sim.engine import SimEngine
 from prefixserve.workers.sim.profiles import CPU_SMOLLM2, H100_LLAMA3_8B, SimProfile, profile_for

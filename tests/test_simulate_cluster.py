@@ -26,9 +26,13 @@ from prefixserve.bench.simulate import (
     trace_requests,
 )
 from prefixserve.router.blocks import Chain, hash_chain, namespace
+from prefixserve.router.decision import Decision, LookupSource, RoutingCore
+from prefixserve.router.decision_types import Candidate
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import PolicyConfig
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.sim.profiles import H100_LLAMA3_8B
 
@@ -232,3 +236,44 @@ def test_cli_writes_the_runs_and_the_round_trips_beside_them(
     assert 0 < trips["back_to_back_p50_ms"] <= trips["back_to_back_p99_ms"]
     assert 0 < trips["after_work_p50_ms"] <= trips["after_work_p99_ms"]
     assert printed.splitlines()[-1] == RoundTrips(**trips).line()
+
+
+async def test_the_simulator_decides_as_a_serve_router_core_does(redis_server) -> None:
+    """The same requests, candidates and clock through the simulator's router and through a
+    core built as the Serve request router builds its own (state, lookup source): the same
+    decisions, one by one, from the same code."""
+    model, settings = f"core-{time.time_ns()}", IndexSettings(lease_ttl_s=60.0)
+    index = open_index(redis_server.url, model, deadline_s=2.0, settings=settings)
+    names = [f"w{i}" for i in range(4)]
+    for name in names:
+        await index.register(name, epoch=1, block_size=16, fingerprint="fp")
+    router_settings = RouterSettings(model=model, block_size=16, fingerprint="fp")
+    sim = SimRouter("prefix", names, index, router_settings, index_deadline_s=2.0)
+    await sim.start()
+    state = RouterState(router_settings, settings)
+    serve_core = RoutingCore(state, LookupSource(state, index, None, 2.0))
+    state.gate.check_workers(await index.live_workers(), [], 0.0)
+    seen: list[Decision] = []
+    decide = sim.core.decide
+
+    async def recorded(*args, **kwargs) -> Decision:
+        seen.append(await decide(*args, **kwargs))
+        return seen[-1]
+
+    sim.core.decide = recorded  # type: ignore[method-assign]
+    ongoing = [0, 0, 0, 0]
+    for key in range(12):
+        tokens = [key % 3] * 48 + list(range(key, key + 40))  # three shared prefixes
+        now = 10.0 + key
+        chosen = await sim.route(key, tokens, ongoing, now)
+        candidates = [Candidate(n, queue_len=q) for n, q in zip(names, ongoing, strict=True)]
+        mine = await serve_core.decide(key, tokens, None, candidates, str(key), now)
+        serve_core.sent(key, mine.best, str(key), now)
+        theirs = seen[-1]
+        assert names[chosen] == theirs.best == mine.best
+        assert theirs.ranking.keys == mine.ranking.keys
+        assert theirs.ranking.depth == mine.ranking.depth
+        assert [a.source for a in theirs.lookups] == [a.source for a in mine.lookups] != []
+        ongoing[chosen] += 1
+    assert len(seen) == 12 and len(set(ongoing)) > 1  # decided, and not all on one worker
+    await index.close()

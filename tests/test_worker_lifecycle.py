@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from test_worker_replica import GREEDY, PROMPT, collect, make_worker
@@ -82,7 +83,7 @@ async def test_health_fails_while_a_step_is_stuck_and_recovers() -> None:
 async def test_shutdown_lets_a_stream_finish_within_the_drain_timeout() -> None:
     w = await make_worker()
     slow_steps(w, 0.02)
-    request = GenerateRequest("d", PROMPT, {**GREEDY, "max_tokens": 20})
+    request = GenerateRequest("d", PROMPT, replace(GREEDY, max_tokens=20))
     task = asyncio.create_task(collect(w, request))
     await asyncio.sleep(0.1)
     started = time.monotonic()
@@ -97,7 +98,7 @@ async def test_shutdown_lets_a_stream_finish_within_the_drain_timeout() -> None:
 async def test_shutdown_aborts_streams_that_outlast_the_drain_timeout() -> None:
     w = await make_worker(drain_timeout_s=0.3)
     slow_steps(w, 0.02)
-    long = GenerateRequest("long", PROMPT, {**GREEDY, "max_tokens": 500})
+    long = GenerateRequest("long", PROMPT, replace(GREEDY, max_tokens=500))
     task = asyncio.create_task(collect(w, long))
     await asyncio.sleep(0.2)
     assert w.engine.kv.num_free_blocks < w.engine.kv.num_total_blocks

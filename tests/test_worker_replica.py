@@ -11,6 +11,7 @@ from prefixserve.cluster.local_redis import LocalRedis, free_port
 from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import LLMWorker
 from prefixserve.workers.engine_loop import merge_steps
@@ -19,7 +20,7 @@ from prefixserve.workers.errors import InvalidRequestError
 
 ENGINE = {"num_blocks": 64, "block_size": 16, "max_num_seqs": 8}
 PROMPT = [(i * 7) % 250 for i in range(40)]
-GREEDY = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 
 
 async def make_worker(redis_url: str | None = None, **kwargs) -> LLMWorker:
@@ -64,7 +65,7 @@ async def test_streams_deltas_and_reuses_the_prefix(worker: LLMWorker) -> None:
 
 
 async def test_closing_the_stream_aborts_and_frees_blocks(worker: LLMWorker) -> None:
-    request = GenerateRequest("long", PROMPT, {"max_tokens": 500, "ignore_eos": True})
+    request = GenerateRequest("long", PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
     stream = worker.generate(request)
     got = [await stream.__anext__() for _ in range(2)]
     assert all(not d.finished for d in got)
@@ -77,7 +78,7 @@ async def test_closing_the_stream_aborts_and_frees_blocks(worker: LLMWorker) -> 
 
 
 async def test_a_cancelled_consumer_task_aborts_too(worker: LLMWorker) -> None:
-    request = GenerateRequest("c", PROMPT, {"max_tokens": 500, "ignore_eos": True})
+    request = GenerateRequest("c", PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
     task = asyncio.create_task(collect(worker, request))
     await asyncio.sleep(0.3)
     task.cancel()
@@ -88,10 +89,10 @@ async def test_a_cancelled_consumer_task_aborts_too(worker: LLMWorker) -> None:
 
 
 async def test_bad_requests_fail_alone_and_the_loop_keeps_serving(worker: LLMWorker) -> None:
-    with pytest.raises(InvalidRequestError, match="unknown sampling"):
-        await collect(worker, GenerateRequest("x", PROMPT, {"bogus": 1}))
+    with pytest.raises(InvalidRequestError, match="sampling must be a SamplingParams"):
+        await collect(worker, GenerateRequest("x", PROMPT, {"max_tokens": 4}))  # type: ignore
     with pytest.raises(InvalidRequestError, match="max_tokens"):
-        await collect(worker, GenerateRequest("x", PROMPT, {"max_tokens": 0}))
+        await collect(worker, GenerateRequest("x", PROMPT, SamplingParams(max_tokens=0)))
     with pytest.raises(InvalidRequestError, match="vocabulary"):
         await collect(worker, GenerateRequest("x", [1, 2, 10**6], GREEDY))
     with pytest.raises(InvalidRequestError, match="empty"):
@@ -103,7 +104,7 @@ async def test_bad_requests_fail_alone_and_the_loop_keeps_serving(worker: LLMWor
 
 async def test_n_samples_each_finish(worker: LLMWorker) -> None:
     deltas = await collect(
-        worker, GenerateRequest("n", PROMPT, {"max_tokens": 3, "n": 2, "ignore_eos": True})
+        worker, GenerateRequest("n", PROMPT, SamplingParams(max_tokens=3, n=2, ignore_eos=True))
     )
     finished = {d.index: d.finish_reason for d in deltas if d.finished}
     assert finished == {0: "length", 1: "length"}
@@ -179,7 +180,7 @@ def test_merge_steps_joins_each_samples_tokens_in_order() -> None:
 
 
 async def test_a_slow_consumer_gets_the_backlog_in_fewer_deltas(worker: LLMWorker) -> None:
-    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     fast = await collect(worker, GenerateRequest("fast", PROMPT, params))
     assert sum(len(d.token_ids) for d in fast) == 40
     stream = worker.generate(GenerateRequest("slow", PROMPT, params))
@@ -192,7 +193,7 @@ async def test_a_slow_consumer_gets_the_backlog_in_fewer_deltas(worker: LLMWorke
 
 
 async def test_stream_interval_sends_the_first_token_alone_then_every_k_steps() -> None:
-    params = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain = await make_worker()
     spaced = await make_worker(stream_interval=4)
     try:

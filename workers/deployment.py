@@ -44,6 +44,7 @@ from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.publisher import EventPublisher
 from prefixserve.router.request import GenerateRequest, TokenDelta
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.router.secret_refs import resolve
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
@@ -51,7 +52,6 @@ from prefixserve.workers.engine_source import load_engine
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("ray.serve")
@@ -159,7 +159,10 @@ class LLMWorker:
         Raises InvalidRequestError for bad input. If the caller goes away (the generator is
         closed or cancelled), the request is aborted and its blocks are freed.
         """
-        params = SamplingParams.from_dict(request.sampling or {})
+        params = request.sampling
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling must be a SamplingParams")
+        params.validate()  # before its n sizes the stream
         self._require_loop()
         if self._closed:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")

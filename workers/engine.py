@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from prefixserve.router.events import KVEvent
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import checkpoint_fingerprint
 from prefixserve.workers.engine_core import EngineCore, check_max_model_len
 from prefixserve.workers.engine_types import (
@@ -37,7 +38,6 @@ from prefixserve.workers.model_runner import ModelRunner, keep_cpu_heap
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.models.loader import load_model, resolve_device
 from prefixserve.workers.sampling import Sampler, make_generator
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
 log = logging.getLogger(__name__)

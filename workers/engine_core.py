@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from prefixserve.router import blocks
 from prefixserve.router.events import KVEvent
 from prefixserve.router.request import TokenLogprob
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine_types import (
     RATE_SMOOTHING,
     BusyShare,
@@ -29,7 +30,6 @@ from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tensor import fit_max_model_len
 from prefixserve.workers.request_checks import checked_request
-from prefixserve.workers.sampling_params import SamplingParams
 from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 # One appended token: the sample, its token id and (real engine, when asked) its logprob.

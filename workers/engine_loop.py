@@ -21,10 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineStats, RequestOutput
 from prefixserve.workers.errors import StepFailedError
-from prefixserve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger("ray.serve")
 

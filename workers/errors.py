@@ -1,8 +1,11 @@
-"""Errors the engine raises on purpose, so callers can map them to the right response."""
+"""Errors the engine raises on purpose, so callers can map them to the right response.
 
+`InvalidRequestError` is the request protocol's (router/errors.py): the ingress and the
+engine's own checks raise the same one."""
 
-class InvalidRequestError(ValueError):
-    """Bad input to the engine (prompt, sampling parameters); the caller maps it to HTTP 400."""
+from prefixserve.router.errors import InvalidRequestError
+
+__all__ = ["InvalidRequestError", "StepFailedError", "UnsupportedModelError"]
 
 
 class UnsupportedModelError(ValueError):

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from prefixserve.workers.sampling_params import SamplingParams
+    from prefixserve.router.sampling_params import SamplingParams
 
 
 class TokenHistory:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.errors import InvalidRequestError
-from prefixserve.workers.sampling_params import SamplingParams
 
 
 def checked_request(

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from prefixserve.router.request import TokenLogprob
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.logits_processors import TokenHistory, apply_min_p, process_logits
-from prefixserve.workers.sampling_params import SamplingParams
 
 
 def make_generator(

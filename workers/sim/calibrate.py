@@ -19,9 +19,9 @@ import time
 
 import numpy as np
 
+from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
-from prefixserve.workers.sampling_params import SamplingParams
 
 PREFILLS = (64, 256, 512, 1024, 2048)
 DECODES = ((1, 128), (4, 128), (16, 128), (1, 1024), (8, 1024), (32, 256))

@@ -1,16 +1,16 @@
 """A request's sampling settings (`SamplingParams`) and their bounds, written once.
 
-Torch-free: the ingress validates requests against the same bounds, and the settings cross the
-worker boundary as this dataclass. `validate` names the first bad field.
+Part of the request protocol: the settings cross the worker boundary as this dataclass inside a
+`GenerateRequest`, the ingress's request models take their bounds from here, and the engine
+validates them once, as it takes the request (`validate` names the first bad field). Torch-free.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
 
-from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.router.errors import InvalidRequestError
 
 MAX_N = 16
 MAX_LOGPROBS = 20
@@ -39,16 +39,6 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]; 0 => off
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many were generated
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
-
-    @classmethod
-    def from_dict(cls, sampling: dict[str, Any]) -> SamplingParams:
-        """A request's plain dict as validated settings (InvalidRequestError otherwise)."""
-        unknown = set(sampling) - {f.name for f in fields(cls)}
-        if unknown:
-            raise InvalidRequestError(f"unknown sampling parameters: {sorted(unknown)}")
-        params = cls(**sampling)
-        params.validate()
-        return params
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):

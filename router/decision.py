@@ -1,0 +1,135 @@
+"""One routing decision, made the same way by the Serve request router and by the simulator.
+
+A decision is :meth:`RoutingCore.decide`: the request's context (its hashed chain), the match
+through a :class:`LookupSource` (this router's follower copy of the index while it is caught up,
+else the index within the deadline, else a fail-open reason), the ranking, and the record of
+where it goes. Once Serve has sent the request, :meth:`RoutingCore.sent` gives the outcome for the
+metrics and the prediction to announce. Callers bring the candidates and the clock, and do the
+metrics and the prediction's write; nothing here knows Serve.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prefixserve.router.blocks import Chain
+from prefixserve.router.decision_types import Candidate, Outcome, Prediction
+from prefixserve.router.index import LookupResult, PrefixIndex, within
+from prefixserve.router.index_follower import IndexFollower
+from prefixserve.router.policy import Ranking
+from prefixserve.router.router_state import RouterState
+
+logger = logging.getLogger("ray.serve")
+
+# A decision waits this many index-client deadlines for a round-trip lookup before it fails open.
+LOOKUP_WAIT_DEADLINES = 4
+
+
+@dataclass(frozen=True)
+class LookupAttempt:
+    """One lookup a decision made: where it was asked (``local``: the follower copy, ``index``:
+    a round trip; None: nowhere), why it failed open (None: it was answered), and how long it
+    took when answered."""
+
+    source: str | None
+    failopen: str | None
+    seconds: float = 0.0
+
+
+@dataclass
+class Decision:
+    """The ranking of one request's candidates (best first) and how it was reached."""
+
+    key: int
+    ranking: Ranking
+    lookups: list[LookupAttempt] = field(default_factory=list)
+    hash_s: float = 0.0  # hashing the chain the decision starts with
+    rank_s: float = 0.0
+
+    @property
+    def best(self) -> str:
+        return self.ranking[0].key
+
+
+class LookupSource:
+    """Where a decision's lookups are answered: the follower copy while it is ready, else the
+    index within :data:`LOOKUP_WAIT_DEADLINES` of its client's ``deadline_s``; a slow or
+    failing index fails open and backs off (the gate). ``index`` and ``follower`` may be set
+    later, when the caller opens them."""
+
+    def __init__(self, state: RouterState, index: PrefixIndex | None,
+                 follower: IndexFollower | None, deadline_s: float) -> None:
+        self.state = state
+        self.index = index
+        self.follower = follower
+        self.wait_s = LOOKUP_WAIT_DEADLINES * deadline_s
+
+    async def lookup(self, chain: Chain, now: float) -> tuple[LookupResult | None,
+                                                              LookupAttempt]:
+        state = self.state
+        if not state.settings.prefix_routing:
+            return None, LookupAttempt(None, None)
+        if self.index is None:
+            return None, LookupAttempt(None, "unset")
+        reason = state.gate.lookup_blocked(now)
+        if reason is not None:
+            return None, LookupAttempt(None, reason)
+        start = time.perf_counter()
+        follower = self.follower
+        if follower is not None and follower.ready:
+            result = follower.lookup(chain)
+            source = "local"
+        else:
+            source = "index"
+            try:
+                result = await within(self.index.lookup(chain), self.wait_s)
+            except Exception as exc:  # a timeout, IndexUnavailable, anything: serving goes on
+                logger.debug("prefix index lookup failed: %r", exc)
+                state.gate.lookup_failed(now)
+                timeout = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
+                return None, LookupAttempt(source, "timeout" if timeout else "unavailable")
+        state.looked_up(result)
+        return result, LookupAttempt(source, None, time.perf_counter() - start)
+
+
+class RoutingCore:
+    """A router's decisions: :class:`RouterState`'s steps in their one order."""
+
+    def __init__(self, state: RouterState, source: LookupSource) -> None:
+        self.state = state
+        self.source = source
+
+    async def decide(self, key: int, tokens: Sequence[int], cache_salt: str | None,
+                     candidates: Sequence[Candidate], internal_id: str, now: float) -> Decision:
+        """Rank ``candidates`` for request ``key`` and record the first as where it goes."""
+        state = self.state
+        start = time.perf_counter()
+        ctx = state.context(key, tokens, cache_salt, now)
+        hash_s = time.perf_counter() - start
+        attempts: list[LookupAttempt] = []
+
+        async def lookup(chain: Chain) -> LookupResult | None:
+            result, attempt = await self.source.lookup(chain, now)
+            attempts.append(attempt)
+            return result
+
+        result = await state.match(ctx, lookup, now)
+        start = time.perf_counter()
+        ranking = state.rank(key, ctx, candidates, result, now)
+        rank_s = time.perf_counter() - start
+        state.note_routed(key, ranking[0].key, ctx, internal_id, now)
+        return Decision(key, ranking, attempts, hash_s, rank_s)
+
+    def sent(self, key: int, worker: str, internal_id: str,
+             now: float) -> tuple[Outcome | None, Prediction | None]:
+        """Serve sent request ``key`` to ``worker`` (maybe not the first choice): how it fares
+        against its deepest match, and the predicted entry to announce, if any."""
+        outcome = self.state.outcome(key, worker)
+        return outcome, self.state.sent(key, worker, internal_id, now)
+
+    def completed(self, worker: str, internal_id: str) -> None:
+        self.state.completed(worker, internal_id)
