@@ -21,16 +21,15 @@ On first use (and every ``check_interval_s``, in the background) it checks that 
 workers use its block size and model fingerprint; on a mismatch it logs an error and routes by
 load only.
 
-The decisions and bookkeeping are the pure :class:`router.router_state.RouterState`; this class
-adapts Serve's calls to it and does the index I/O. Serve's internals are reached only through
+Each decision is :class:`router.decision.RoutingCore`'s (the simulator's router makes its
+decisions with the same object); this class adapts Serve's calls to it, opens the index, writes
+the predictions and counts the metrics. Serve's internals are reached only through
 :mod:`router.serve_compat`.
 
 Configure with ``RequestRouterConfig(request_router_class=PrefixAwareRequestRouter,
 request_router_kwargs={...})``; the kwargs are those of :meth:`initialize_state`.
-A call with a ``target_worker=<replica id>`` keyword goes to that replica only (per-worker
-``stats`` / ``reset_prefix_cache``); when no running replica has that id within
-``target_wait_s`` it fails with :class:`NoSuchReplica` (Serve itself would retry it for ever).
-Calls without a ``GenerateRequest`` go to any replica.
+Calls aimed at one replica (``target_worker=``) and calls without a ``GenerateRequest`` are
+routed as under every policy (:mod:`router.call_routing`).
 """
 
 from __future__ import annotations
@@ -90,7 +89,7 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
                 ``router.secret_refs``); None falls back to ``$PREFIXSERVE_REDIS_URL``. Without
                 either, or when the reference cannot be resolved here, it routes by load only.
             settings: the router section of the cluster config
-                (``router.router_state.RouterSettings`` fields, model and block size included).
+                (``router.router_settings.RouterSettings`` fields, model and block size included).
             index: the index section (``router.index.IndexSettings`` fields).
         """
         self._index_url = _index_url(redis_url)

@@ -25,7 +25,7 @@ from prefixserve.workers.engine_types import (
     RequestOutput,
     SampleOutput,
 )
-from prefixserve.workers.errors import InvalidRequestError, StepFailedError
+from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_tensor import (
     allocate_kv_cache,
     blocks_for_budget,
@@ -90,48 +90,19 @@ class LLMEngine(EngineCore):
 
     # ----------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step; if it raises, :meth:`_fail_step` leaves the engine exact and clean."""
-        outputs, self._pending = self._pending, []
-        sched: SchedulerOutput | None = None
-        try:
-            sched = self.scheduler.schedule()
-            for seq in sched.too_long:
-                self._retire(seq, "length", outputs, [])
-            if not sched.empty:
-                copies = self.kv.take_copies()
-                if copies:
-                    copy_blocks(self.kv_cache, copies)
-                start = time.perf_counter()
-                logits, sampled = self.runner.execute(sched)
-                for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-                    seq.num_computed_tokens += n
-                if logits is not None:
-                    self._sample_and_append(logits, sampled, outputs)
-                self._update_rates(sched, time.perf_counter() - start)
-            self.kv.commit_step()
-        except Exception as exc:
-            failed = self._fail_step(sched)
-            self._pending = [o for o in outputs if o.request_id not in failed]
-            raise StepFailedError(failed) from exc
-        finally:
-            self._flush_events()
-        return outputs
-
-    def _fail_step(self, sched: SchedulerOutput | None) -> tuple[str, ...]:
-        """Drop the failed step's requests (every request if scheduling itself failed) and
-        unregister the blocks it hashed, whose KV was never written; returns the dropped ids."""
-        if sched is None:
-            failed = tuple(self._requests)
-        else:
-            failed = tuple(dict.fromkeys(seq.request_id for seq in sched.seqs))
-        self.kv.rollback_step()
-        self.scheduler.drop_requests(frozenset(failed))
-        for request_id in failed:
-            req = self._requests.pop(request_id, None)
-            for seq in req.seqs if req is not None else ():
-                self.kv.free(seq.seq_id)  # no-op unless scheduling failed half-way
-        return failed
+    def _execute(self, sched: SchedulerOutput, copies: list[tuple[int, int]],
+                 outputs: list[RequestOutput]) -> float:
+        """Copy-on-write copies, one forward pass over the scheduled tokens, then sample and
+        append; returns the seconds it took."""
+        if copies:
+            copy_blocks(self.kv_cache, copies)
+        start = time.perf_counter()
+        logits, sampled = self.runner.execute(sched)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+        if logits is not None:
+            self._sample_and_append(logits, sampled, outputs)
+        return time.perf_counter() - start
 
     def _sample_and_append(
         self, logits: torch.Tensor, sampled: list[Sequence], outputs: list[RequestOutput]

@@ -26,7 +26,7 @@ from prefixserve.workers.engine_types import (
     EngineStats,
     RequestOutput,
 )
-from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.errors import InvalidRequestError, StepFailedError
 from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tensor import fit_max_model_len
 from prefixserve.workers.request_checks import checked_request
@@ -55,7 +55,8 @@ class EngineRequest:
 
 
 class EngineCore:
-    """Scheduler, KV manager and requests; subclasses supply ``step`` (see module docstring)."""
+    """Scheduler, KV manager, requests and the step; subclasses supply ``_execute``, how a
+    scheduled batch's tokens are produced (see module docstring)."""
 
     def __init__(
         self,
@@ -84,6 +85,54 @@ class EngineCore:
         self._decode_rate = 0.0
         self._busy = BusyShare()
         self.clock: Callable[[], float] = time.monotonic  # the tier-2 simulator's is virtual
+        self.last_step_s = 0.0  # the last step's execution time (a simulated one's modelled)
+
+    # ------------------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, execute, append, commit, then the step's KV events. If it raises, the step
+        is rolled back (:meth:`_fail_step`) and :class:`StepFailedError` names the requests it
+        dropped; the engine is usable for the next step."""
+        outputs, self._pending = self._pending, []
+        sched: SchedulerOutput | None = None
+        self.last_step_s = 0.0
+        try:
+            sched = self.scheduler.schedule()
+            for seq in sched.too_long:
+                self._retire(seq, "length", outputs, [])
+            if not sched.empty:
+                self.last_step_s = self._execute(sched, self.kv.take_copies(), outputs)
+                self._update_rates(sched, self.last_step_s)
+            self.kv.commit_step()
+        except Exception as exc:
+            failed = self._fail_step(sched)
+            self._pending = [o for o in outputs if o.request_id not in failed]
+            raise StepFailedError(failed) from exc
+        finally:
+            self._flush_events()
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput, copies: list[tuple[int, int]],
+                 outputs: list[RequestOutput]) -> float:
+        """Produce the scheduled batch's tokens: count them computed, append the sampled ones
+        to ``outputs`` (``_fork_sampled``, ``_append_tokens``); ``copies`` are the step's
+        copy-on-write block copies. Returns the step's seconds."""
+        raise NotImplementedError
+
+    def _fail_step(self, sched: SchedulerOutput | None) -> tuple[str, ...]:
+        """Drop the failed step's requests (every request if scheduling itself failed) and
+        unregister the blocks it hashed, whose KV was never written; returns the dropped ids."""
+        if sched is None:
+            failed = tuple(self._requests)
+        else:
+            failed = tuple(dict.fromkeys(seq.request_id for seq in sched.seqs))
+        self.kv.rollback_step()
+        self.scheduler.drop_requests(frozenset(failed))
+        for request_id in failed:
+            req = self._requests.pop(request_id, None)
+            for seq in req.seqs if req is not None else ():
+                self.kv.free(seq.seq_id)  # no-op unless scheduling failed half-way
+        return failed
 
     def namespace(self, cache_salt: str | None) -> bytes:
         ns = self._ns_cache.get(cache_salt)

@@ -83,6 +83,42 @@ def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
     return list(merged.values())
 
 
+@dataclass(frozen=True)
+class Add:
+    """Queue a request; its outputs go to ``stream`` (or the engine's refusal does)."""
+
+    request_id: str
+    prompt: Iterable[int]
+    params: SamplingParams
+    cache_salt: str | None
+    tenant: str | None
+    stream: OutputStream
+
+
+@dataclass(frozen=True)
+class Abort:
+    """Abort a request; ``notify``: its stream still gets the final "abort" outputs."""
+
+    request_id: str
+    notify: bool
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run ``fn(engine)`` on the loop thread; its result or exception goes to ``future``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Wake the loop so that it sees it is stopping."""
+
+
+Command = Add | Abort | Call | Stop
+
+
 class EngineLoop(threading.Thread):
     """The one thread that touches the engine."""
 
@@ -92,7 +128,7 @@ class EngineLoop(threading.Thread):
     def __init__(self, engine: LLMEngine, stats_interval_s: float = 0.1) -> None:
         super().__init__(name="prefixserve-engine", daemon=True)
         self.engine = engine
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self._streams: dict[str, OutputStream] = {}
         self._stopping = threading.Event()
         self._stats_interval_s = stats_interval_s
@@ -107,12 +143,12 @@ class EngineLoop(threading.Thread):
 
     def add(self, request_id: str, prompt: Iterable[int], params: SamplingParams,
             cache_salt: str | None, stream: OutputStream, tenant: str | None = None) -> None:
-        self._commands.put(("add", request_id, prompt, params, cache_salt, tenant, stream))
+        self._commands.put(Add(request_id, prompt, params, cache_salt, tenant, stream))
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its blocks. ``notify``: its stream still gets the final
         "abort" outputs (a drain ends streams cleanly); else the caller is gone, and so is it."""
-        self._commands.put(("abort", request_id, notify))
+        self._commands.put(Abort(request_id, notify))
 
     def stalled_s(self) -> float:
         """Seconds the current round of work has run (0 while idle): a step that never returns
@@ -123,12 +159,12 @@ class EngineLoop(threading.Thread):
     def call(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run ``fn(engine)`` on the loop thread; await with ``asyncio.wrap_future``."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, future))
+        self._commands.put(Call(fn, future))
         return future
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stopping.set()
-        self._commands.put(("stop",))
+        self._commands.put(Stop())
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout_s)
 
@@ -160,10 +196,10 @@ class EngineLoop(threading.Thread):
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                command[-1].send(exc)
-            elif command[0] == "call" and command[2].set_running_or_notify_cancel():
-                command[2].set_exception(exc)
+            if isinstance(command, Add):
+                command.stream.send(exc)
+            elif isinstance(command, Call) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(exc)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -182,29 +218,25 @@ class EngineLoop(threading.Thread):
             except queue.Empty:
                 return
 
-    def _handle(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt, params, salt, tenant, stream = command
+    def _handle(self, command: Command) -> None:
+        if isinstance(command, Add):
             try:
-                self.engine.add_request(request_id, prompt, params, salt, tenant)
+                self.engine.add_request(command.request_id, command.prompt, command.params,
+                                        command.cache_salt, command.tenant)
             except Exception as exc:  # InvalidRequestError, or anything the engine rejects
-                stream.send(exc)
+                command.stream.send(exc)
                 return
-            self._streams[request_id] = stream
-        elif kind == "abort":
-            _, request_id, notify = command
-            if request_id in self._streams:
-                if not notify:
-                    del self._streams[request_id]
-                self.engine.abort(request_id)
-        elif kind == "call":
-            _, fn, future = command
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as exc:
-                    future.set_exception(exc)
+            self._streams[command.request_id] = command.stream
+        elif isinstance(command, Abort):
+            if command.request_id in self._streams:
+                if not command.notify:
+                    del self._streams[command.request_id]
+                self.engine.abort(command.request_id)
+        elif isinstance(command, Call) and command.future.set_running_or_notify_cancel():
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:
+                command.future.set_exception(exc)
 
     def _step(self) -> None:
         began = time.perf_counter()

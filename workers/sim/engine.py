@@ -66,36 +66,26 @@ class SimEngine(EngineCore):
         self.profile = profile
         self.sleep = sleep
         self.next_token = token_source or hashed_tokens(self.vocab_size)
-        self.last_step_s = 0.0
         self.clock_s = 0.0  # modelled time of every step so far
 
     # ----------------------------------------------------------------- the step
 
-    def step(self) -> list[RequestOutput]:
-        """Schedule, "run" the batch (modelled time), append one token per finished row."""
-        outputs, self._pending = self._pending, []
-        sched = self.scheduler.schedule()
-        for seq in sched.too_long:
-            self._retire(seq, "length", outputs, [])
-        self.last_step_s = 0.0
-        if not sched.empty:
-            self.kv.take_copies()  # copy-on-write of block contents: nothing to copy here
-            seconds = self.step_seconds(sched)
-            sampled = []
-            for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                if seq.num_computed_tokens == seq.num_tokens:
-                    sampled.append(seq)
-            targets, _ = self._fork_sampled(sampled)
-            self._append_tokens(((seq, self.next_token(seq), None) for seq in targets), outputs)
-            self._update_rates(sched, seconds)
-            self.last_step_s = seconds
-            self.clock_s += seconds
-            if self.sleep:
-                time.sleep(seconds)
-        self.kv.commit_step()
-        self._flush_events()
-        return outputs
+    def _execute(self, sched: SchedulerOutput, copies: list[tuple[int, int]],
+                 outputs: list[RequestOutput]) -> float:
+        """"Run" the batch in its modelled time (no block contents: nothing to copy) and append
+        one token per sample whose prompt is done; returns the modelled seconds."""
+        seconds = self.step_seconds(sched)
+        sampled = []
+        for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampled.append(seq)
+        targets, _ = self._fork_sampled(sampled)
+        self._append_tokens(((seq, self.next_token(seq), None) for seq in targets), outputs)
+        self.clock_s += seconds
+        if self.sleep:
+            time.sleep(seconds)
+        return seconds
 
     def step_seconds(self, sched: SchedulerOutput) -> float:
         """The profile's time for this batch (call before the tokens are counted computed)."""
