@@ -56,9 +56,7 @@ from prefixserve.cluster.tokenize_protocol import (
 )
 from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
 from prefixserve.router.sampling_params import SamplingParams
-from prefixserve.workers.checkpoints import resolve_checkpoint
-from prefixserve.workers.models.config import load_model_config
-from prefixserve.workers.sim import profiles as sim
+from prefixserve.workers.model_sources import model_source
 
 logger = logging.getLogger("ray.serve")
 
@@ -116,15 +114,9 @@ class OpenAIIngress:
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
-        if sim.is_sim_model(model):  # no checkpoint: the sim tokenizer's, the profile's limits
-            profile = sim.profile_for(model)
-            model_path = resolve_checkpoint(sim.TOKENIZER_MODEL)
-            model_len, self.vocab_size = profile.max_model_len, profile.served_vocab_size
-        else:
-            model_path = resolve_checkpoint(model)  # on this node: paths differ between nodes
-            config = load_model_config(model_path)
-            model_len, self.vocab_size = config.max_model_len, config.vocab_size
-        self.tokenizer = Tokenizer(tokenizer or model_path, chat_template)
+        source = model_source(model)  # resolved on this node: paths differ between nodes
+        model_len, self.vocab_size = source.limits(model)
+        self.tokenizer = Tokenizer(tokenizer or source.tokenizer_path(model), chat_template)
         self.model_name = model_name
         self.render = Renderer(self.tokenizer, model_name)
         self.max_model_len = min(max_model_len or model_len, model_len)

@@ -27,16 +27,10 @@ from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
 from prefixserve.router.secret_refs import env_reference, is_reference, url_has_secret
 from prefixserve.workers.checkpoints import (
-    BUILTIN_MODEL_NAME,
     DEFAULT_MODEL,
-    KNOWN_MODELS,
-    checkpoint_fingerprint,
-    locate,
-    resolve_checkpoint,
-    served_name,
 )
 from prefixserve.workers.engine_types import EngineConfig
-from prefixserve.workers.sim import profiles as sim
+from prefixserve.workers.model_sources import model_source
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 Policy = Literal[POLICY_NAMES]  # the names of router.routing_policies.ROUTING_POLICIES
@@ -138,13 +132,7 @@ class ClusterConfig(BaseModel):
     @field_validator("model")
     @classmethod
     def _check_model(cls, value: str) -> str:
-        if sim.is_sim_model(value):
-            sim.profile_for(value)  # an unknown profile: the error lists the known ones
-            return value
-        if value == BUILTIN_MODEL_NAME:  # written on first use, by whichever process needs it
-            return value
-        path = locate(value)
-        return value if value in KNOWN_MODELS else str(path)
+        return model_source(value).check(value)
 
     @field_validator("redis_url")
     @classmethod
@@ -193,22 +181,16 @@ class ClusterConfig(BaseModel):
     def model_path(self) -> Path:
         """The checkpoint directory in this process (built-in written, GGUF converted, once);
         for a simulated model, the one its tokenizer comes from."""
-        if sim.is_sim_model(self.model):
-            return resolve_checkpoint(sim.TOKENIZER_MODEL)
-        return resolve_checkpoint(self.model)
+        return model_source(self.model).tokenizer_path(self.model)
 
     def model_fingerprint(self) -> str:
         """What the router namespaces block hashes by: the workers' engines use the same."""
-        if sim.is_sim_model(self.model):
-            return sim.profile_for(self.model).fingerprint
-        return checkpoint_fingerprint(self.model_path())
+        return model_source(self.model).fingerprint(self.model)
 
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if sim.is_sim_model(self.model):
-            return sim.served_name(self.model)
-        return served_name(self.model)
+        return model_source(self.model).served_name(self.model)
 
 
 @dataclasses.dataclass(frozen=True)

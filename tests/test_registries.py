@@ -14,6 +14,7 @@ from prefixserve.workers.attention.registry import BACKENDS, backend_for
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.kv_tensor import allocate_kv_cache
+from prefixserve.workers.model_sources import CheckpointSource, SimSource, model_source
 from prefixserve.workers.models.config import parse_config
 from prefixserve.workers.models.llama import LlamaForCausalLM
 from prefixserve.workers.models.loader import architecture_class, build_model
@@ -23,6 +24,7 @@ from prefixserve.workers.models.registry import (
     get_architecture,
     gguf_architecture,
 )
+from prefixserve.workers.sim.profiles import H100_LLAMA3_8B
 
 TINY = {
     "vocab_size": 64,
@@ -129,3 +131,21 @@ def test_the_model_attends_through_the_backend_registered_for_its_device(monkeyp
     assert isinstance(model.attention, CountingBackend)
     assert torch.equal(run(model), want)
     assert calls == [5] * config.num_hidden_layers
+
+
+def test_a_model_name_finds_its_source_and_a_sim_profile_answers_for_itself() -> None:
+    assert isinstance(model_source("sim:cpu-smollm2"), SimSource)
+    for name in ("prefixserve-tiny", "/models/llama", "smollm2-135m-instruct", "simple"):
+        assert isinstance(model_source(name), CheckpointSource), name
+    sim = model_source("sim:h100-llama3-8b")
+    assert sim.check("sim:h100-llama3-8b") == "sim:h100-llama3-8b"
+    with pytest.raises(ValueError, match=r"no simulation profile 'nope' \(known: sim:"):
+        sim.check("sim:nope")
+    assert sim.limits("sim:h100-llama3-8b") == (H100_LLAMA3_8B.max_model_len,
+                                                H100_LLAMA3_8B.served_vocab_size)
+    assert sim.fingerprint("sim:h100-llama3-8b") == H100_LLAMA3_8B.fingerprint
+    assert sim.served_name("sim:h100-llama3-8b") == "sim-h100-llama3-8b"
+    checkpoint = model_source("prefixserve-tiny")
+    assert checkpoint.check("prefixserve-tiny") == "prefixserve-tiny"
+    with pytest.raises(ValueError, match="known model"):
+        checkpoint.check("no-such-model-anywhere")

@@ -143,10 +143,11 @@ def test_busy_share_decays_over_its_window_and_reaches_the_load_report() -> None
 
 
 def test_a_replica_loads_a_sim_model_that_sleeps_its_steps() -> None:
-    from prefixserve.workers.engine_source import load_engine
+    from prefixserve.workers.model_sources import model_source
 
     events: list = []
-    eng = load_engine("sim:cpu-smollm2", EngineConfig(num_blocks=64), events.append)
+    model = "sim:cpu-smollm2"
+    eng = model_source(model).load_engine(model, EngineConfig(num_blocks=64), events.append)
     assert isinstance(eng, SimEngine) and eng.sleep
     # its token ids are the sim tokenizer's (docs/simulation.md), its cache namespace the profile's
     assert eng.model_fingerprint == CPU_SMOLLM2.fingerprint and eng.vocab_size == 264

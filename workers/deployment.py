@@ -48,9 +48,9 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.router.secret_refs import resolve
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
-from prefixserve.workers.engine_source import load_engine
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.model_sources import model_source
 from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
 from prefixserve.workers.worker_metrics import WorkerMetrics
 
@@ -119,7 +119,7 @@ class LLMWorker:
         index = IndexSettings.model_validate(index or {})
         self._loop = asyncio.get_running_loop()
         self.engine = await asyncio.to_thread(
-            load_engine, model, config, self._on_kv_events
+            model_source(model).load_engine, model, config, self._on_kv_events
         )
         self.block_size = self.engine.block_size
         self.fingerprint = self.engine.model_fingerprint
