@@ -48,7 +48,7 @@ mutate: setup
 serve: setup
 	$(BIN)/prefixserve serve $(ARGS)
 
-# Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/compare.py),
+# Prefix-aware vs power-of-two vs round-robin routing on the local cluster (bench/load/compare.py),
 # with each worker's KV pool holding 11 of the 16 shared system prompts, on the tiny built-in
 # model the recorded figures used (README: Benchmarks; docs/benchmarks.md).
 bench: setup

@@ -24,16 +24,16 @@ import asyncio
 import json
 import sys
 
-from prefixserve.bench.options import (
+from prefixserve.bench.load.options import (
     DEFAULT_TRACE,
     WORKLOADS,
     make_spec,
     make_workload,
     parse_rates,
 )
-from prefixserve.bench.outputs import write_outputs
-from prefixserve.bench.report import format_side_by_side, format_summary
-from prefixserve.bench.runner import run_sweep
+from prefixserve.bench.load.outputs import write_outputs
+from prefixserve.bench.load.report import format_side_by_side, format_summary
+from prefixserve.bench.load.runner import run_sweep
 from prefixserve.router.routing_policies import POLICY_NAMES
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, DEFAULT_MODEL
 
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "show medians and each launch's ratios (noisy, shared machines)")
     cmp.add_argument("--router-metrics", action="store_true",
                      help="routing latency p50/p99 of the prefix-aware router, read from "
-                          "Ray's Prometheus metrics endpoint (bench/router_metrics.py)")
+                          "Ray's Prometheus metrics endpoint (bench/load/router_metrics.py)")
     _common_args(cmp)
     cmp.set_defaults(func=cmd_compare)
     return parser
@@ -142,7 +142,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from prefixserve.bench.compare import compare  # the cluster launcher: `run` does without it
+    from prefixserve.bench.load.compare import (
+        compare,  # the cluster launcher: `run` does without it
+    )
 
     return compare(args)
 

@@ -138,6 +138,21 @@ class LookupResult:
     worker_ids: Mapping[str, int] = field(default_factory=dict)  # replica_id -> worker id
 
 
+@dataclass(frozen=True)
+class IndexSize:
+    """How much a model's index holds: its (block, worker) entries, its distinct blocks (a
+    block held by several workers counts once per group), and the bytes of the workers'
+    reverse indexes, which GC walks."""
+
+    entries: int
+    blocks: int
+    reverse_index_bytes: int
+
+    def __add__(self, other: IndexSize) -> IndexSize:
+        return IndexSize(self.entries + other.entries, self.blocks + other.blocks,
+                         self.reverse_index_bytes + other.reverse_index_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class LogEntry:
     """One entry of a store's event log (``IndexSettings.event_log``)."""
@@ -231,6 +246,10 @@ class PrefixIndex(Protocol):
 
     async def gc(self) -> int:
         """Remove every entry of dead workers (lease expired); returns entries removed."""
+        ...
+
+    async def size(self) -> IndexSize:
+        """What the index holds now, counted by the store (an admin call)."""
         ...
 
     async def close(self) -> None:

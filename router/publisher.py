@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import itertools
 import logging
 import random
 import threading
@@ -56,7 +57,7 @@ T = TypeVar("T")
 SnapshotFn = Callable[[], Iterable[bytes] | Awaitable[Iterable[bytes]]]
 LoadFn = Callable[[], WorkerLoad | Awaitable[WorkerLoad]]
 
-_MAX_BATCH_BLOCKS = 2048  # keeps one apply well inside the index deadline
+MAX_BATCH_BLOCKS = 2048  # keeps one apply well inside the index deadline
 _BACKOFF_MIN_S = 0.05
 _BACKOFF_MAX_S = 2.0
 _WARN_EVERY_S = 60.0
@@ -66,6 +67,19 @@ async def _maybe_await(value: T | Awaitable[T]) -> T:
     if inspect.isawaitable(value):
         return await value
     return value
+
+
+def batch_length(events: Sequence[KVEvent], start: int = 0) -> int:
+    """How many events from ``start`` make the next batch: as many as fit in
+    :data:`MAX_BATCH_BLOCKS` digests, at least one (an event is never cut)."""
+    take, blocks = 0, 0
+    for event in itertools.islice(events, start, None):
+        size = len(getattr(event, "hashes", ()))
+        if take and blocks + size > MAX_BATCH_BLOCKS:
+            break
+        take += 1
+        blocks += size
+    return take
 
 
 @dataclass
@@ -311,12 +325,7 @@ class EventPublisher:
         assert self._worker_id is not None
         while self._pending and not self._dirty:
             with self._lock:
-                take, blocks = 0, 0
-                for event in self._pending:
-                    if take and blocks + len(getattr(event, "hashes", ())) > _MAX_BATCH_BLOCKS:
-                        break
-                    take += 1
-                    blocks += len(getattr(event, "hashes", ()))
+                take = batch_length(self._pending)
                 events = tuple(self._pending[:take])
                 del self._pending[:take]
             if not events:

@@ -18,7 +18,8 @@ worker group of it: :mod:`router.sharded_index`)::
     P.."T"           ... and the rest of a longer chain as one sampled tail (``lua/_tails.lua``):
                      hash 2-byte id -> the worker's newest tails (at most ``_MAX_TAILS``); the
                      key's PX is the latest expiry. So a 2,048-block prompt costs ~170 KB of
-                     Redis as 2,048 keys but ~12 KB as 64 keys + a tail (bench/index_bench.py).
+                     Redis as 2,048 keys but ~12 KB as 64 keys + a tail
+                     (bench/micro/index_bench.py).
     P.."r:"..id      the worker's reverse index: its blocks' keys appended as 8-byte records.
                      Always a superset of its entries (removals leave garbage that is compacted
                      once it outweighs the live part), so GC of a dead worker is O(own blocks).
@@ -73,6 +74,7 @@ from prefixserve.router.events import (
 from prefixserve.router.index import (
     INDEX_KEY_BYTES,
     IndexSettings,
+    IndexSize,
     IndexUnavailable,
     LogEntry,
     LookupResult,
@@ -339,6 +341,22 @@ class RedisPrefixIndex:
             removed += n
         self.cache.forget(worker_id)
         return removed
+
+    async def size(self) -> IndexSize:
+        """Entries (each registered worker's count), distinct blocks (the block hash's fields)
+        and reverse-index bytes, in one pipeline within the admin deadline."""
+        async def read() -> IndexSize:
+            ids = [int(i) for i in await self._redis.smembers(self._k_reg)]
+            pipe = self._redis.pipeline(transaction=False)
+            for worker_id in ids:
+                pipe.hget(self._w(worker_id), "n")
+                pipe.strlen(self._r(worker_id))
+            pipe.hlen(self._k_blocks)
+            *per_worker, blocks = await pipe.execute()
+            return IndexSize(sum(int(n or 0) for n in per_worker[::2]), int(blocks),
+                             sum(per_worker[1::2]))
+
+        return await self._call(read, self.admin_deadline_s)
 
     async def close(self) -> None:
         await self._redis.aclose()

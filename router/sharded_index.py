@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from prefixserve.router.events import EventBatch, WorkerLoad
 from prefixserve.router.index import (
     IndexSettings,
+    IndexSize,
     LookupResult,
     PrefixIndex,
     ResultCode,
@@ -126,6 +127,9 @@ class ShardedPrefixIndex:
 
     async def gc(self) -> int:
         return sum(await asyncio.gather(*(s.gc() for s in self.stores)))
+
+    async def size(self) -> IndexSize:
+        return sum(await asyncio.gather(*(s.size() for s in self.stores)), IndexSize(0, 0, 0))
 
     async def close(self) -> None:
         await asyncio.gather(*(s.close() for s in self.stores))

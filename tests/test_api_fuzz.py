@@ -2,7 +2,7 @@
 hand-written hostile bodies. Never a 5xx; every error in OpenAI's envelope.
 
 One module-scoped cluster (auth off, one worker, a short context so valid fuzz cases are cheap).
-`python -m prefixserve.bench.fuzz_api` runs the long fuzz against any endpoint.
+`python -m prefixserve.bench.load.fuzz_api` runs the long fuzz against any endpoint.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from servekit import replica_logs, serve_app
 
-from prefixserve.bench.fuzz_api import fuzz
+from prefixserve.bench.load.fuzz_api import fuzz
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME

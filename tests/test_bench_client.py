@@ -16,11 +16,11 @@ from typing import ClassVar
 import pytest
 
 from prefixserve.bench.cli import main
-from prefixserve.bench.client import ClientConfig, Prompt, make_http_client, send
-from prefixserve.bench.load import LoadShape, arrival_offsets, run_load
-from prefixserve.bench.metrics import RequestResult
-from prefixserve.bench.runner import RunSpec, run_once
-from prefixserve.bench.workloads import MultiTurn, RandomPrompts, SharedPrefix, Tokens
+from prefixserve.bench.load.client import ClientConfig, Prompt, make_http_client, send
+from prefixserve.bench.load.load import LoadShape, arrival_offsets, run_load
+from prefixserve.bench.load.metrics import RequestResult
+from prefixserve.bench.load.runner import RunSpec, run_once
+from prefixserve.bench.load.workloads import MultiTurn, RandomPrompts, SharedPrefix, Tokens
 
 FIRST_DELAY = 0.25
 GAP = 0.05

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import math
 
-from prefixserve.bench.compare import side_by_side
-from prefixserve.bench.outputs import busiest_first_sums
-from prefixserve.bench.report import (
+from prefixserve.bench.load.compare import side_by_side
+from prefixserve.bench.load.outputs import busiest_first_sums
+from prefixserve.bench.load.report import (
     format_side_by_side,
     median_summary,
     pooled_label,
     ratio,
     tail_key,
 )
-from prefixserve.bench.runner import RunResult
+from prefixserve.bench.load.runner import RunResult
 
 
 def point(label: str, throughput: float, ttft: float, workers: dict | None = None) -> RunResult:

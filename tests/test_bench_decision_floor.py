@@ -1,4 +1,4 @@
-"""bench/decision_floor.py against a real redis-server: every decision finds the worker that
+"""bench/micro/decision_floor.py against a real redis-server: every decision finds the worker that
 holds its prompt, with the held prompt's whole depth confirmed."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from prefixserve.bench.decision_floor import measure, table
+from prefixserve.bench.micro.decision_floor import measure, table
 
 pytestmark = pytest.mark.cluster
 

@@ -35,7 +35,7 @@ def test_compare_on_the_local_cluster(tmp_path: Path, capsys: pytest.CaptureFixt
     assert doc["backend"] == "openai" and doc["model_id"] and doc["request_rate"] == "inf"
     assert doc["max_concurrency"] == 1 and doc["max_concurrent_requests"] == 1
     assert doc["p99_ttft_ms"] >= doc["median_ttft_ms"] and "p99_itl_ms" in doc
-    # the machine readings of the cluster's process tree (bench/machine.py)
+    # the machine readings of the cluster's process tree (bench/load/machine.py)
     assert doc["own_cpu_cores"] > 0 and doc["own_rss_mib"] > 100
     assert len(doc["requests"]) == 8
     assert sum(doc["per_worker_requests"].values()) == 8

@@ -1,4 +1,4 @@
-"""bench/machine.py: the arithmetic on hand-made readings, and real psutil readings with a busy
+"""bench/load/machine.py: the arithmetic on hand-made readings, and real psutil readings with a busy
 process inside this process tree and one outside it, and memory held by a child."""
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefixserve.bench.machine import CpuSample, busy_seconds, cpu_figures, sample, tree, tree_usage
+from prefixserve.bench.load.machine import (
+    CpuSample,
+    busy_seconds,
+    cpu_figures,
+    sample,
+    tree,
+    tree_usage,
+)
 
 
 def test_busy_seconds_count_busy_states_and_steal_apart() -> None:

@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from prefixserve.bench.cli import build_parser
-from prefixserve.bench.load import arrival_offsets
-from prefixserve.bench.metrics import (
+from prefixserve.bench.load.load import arrival_offsets
+from prefixserve.bench.load.metrics import (
     RequestResult,
     from_timeline,
     parse_goodput,
     percentile_key,
     summarize,
 )
-from prefixserve.bench.options import parse_percentile_metrics, parse_percentiles
+from prefixserve.bench.load.options import parse_percentile_metrics, parse_percentiles
 
 
 def _req(send: float, times: list[float], out: int, **kw) -> RequestResult:

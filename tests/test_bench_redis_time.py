@@ -1,12 +1,12 @@
-"""bench/redis_time.py against a real redis-server: the scripts' names, the SLOWLOG switched on
-and back, and only the chosen scripts' times read, oldest first."""
+"""bench/micro/redis_time.py against a real redis-server: the scripts' names, the SLOWLOG switched
+on and back, and only the chosen scripts' times read, oldest first."""
 
 from __future__ import annotations
 
 import pytest
 import redis
 
-from prefixserve.bench.redis_time import (
+from prefixserve.bench.micro.redis_time import (
     SLOWLOG_MAX_LEN,
     script_sha,
     slowlog_ms,

@@ -1,4 +1,4 @@
-"""bench/round_trip.py against a real redis-server: both kinds of round trip, the spin between
+"""bench/micro/round_trip.py against a real redis-server: both kinds of round trip, the spin between
 them, the bounds and the printed line."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from prefixserve.bench.round_trip import RoundTrips, measure, spin, timed_pings
+from prefixserve.bench.micro.round_trip import RoundTrips, measure, spin, timed_pings
 
 pytestmark = pytest.mark.cluster
 

@@ -1,4 +1,5 @@
-"""Routing-latency figures from Ray's Prometheus text (bench/router_metrics.py), no Ray needed."""
+"""Routing-latency figures from Ray's Prometheus text (bench/load/router_metrics.py), no Ray
+needed."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import asyncio
 
 import pytest
 
-from prefixserve.bench.report import format_side_by_side
-from prefixserve.bench.router_metrics import Histogram, parse, summarize
-from prefixserve.bench.runner import run_sweep
+from prefixserve.bench.load.report import format_side_by_side
+from prefixserve.bench.load.router_metrics import Histogram, parse, summarize
+from prefixserve.bench.load.runner import run_sweep
 
 TAGS = 'Component="core_worker",application="a",deployment="LLMWorker"'
 
@@ -64,7 +65,7 @@ def test_side_by_side_shows_rows_only_some_runs_have() -> None:
 
 
 def test_run_sweep_merges_measured_figures(monkeypatch: pytest.MonkeyPatch) -> None:
-    import prefixserve.bench.runner as runner
+    import prefixserve.bench.load.runner as runner
 
     calls: list[str] = []
 

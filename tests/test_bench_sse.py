@@ -8,8 +8,8 @@ import json
 
 import httpx
 
-from prefixserve.bench.soak import CLEAN_ERROR, FAILED, OK, Outcome, Spec, classify_stream
-from prefixserve.bench.sse import SSEParser, chunk_text, decode
+from prefixserve.bench.load.soak import CLEAN_ERROR, FAILED, OK, Outcome, Spec, classify_stream
+from prefixserve.bench.load.sse import SSEParser, chunk_text, decode
 
 ROLE = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
 HELLO = {"choices": [{"index": 0, "delta": {"content": "Hel"}}]}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.bench.workloads import (
+from prefixserve.bench.load.workloads import (
     MultiTurn,
     Rag,
     RandomPrompts,

@@ -2,7 +2,7 @@
 
 One module-scoped cluster (ingress + 2 CPU workers with fractional CPUs, a small KV cache so
 the scheduler preempts, a 3 s lease) serves every test, each under a steady request stream from
-a background thread (:class:`bench.soak.LoadStream`). Every request must end within its timeout
+a background thread (:class:`bench.load.soak.LoadStream`). Every request must end within its timeout
 (``hung == 0``). Order matters: the destructive tests (Redis outage, killed replica) come last.
 Each test prints its figures (sent / ok / cancelled / clean errors / failed / hung, recovery).
 """
@@ -22,7 +22,7 @@ import ray
 from ray import serve
 from servekit import serve_app, wait_for
 
-from prefixserve.bench.soak import (
+from prefixserve.bench.load.soak import (
     CANCELLED,
     CLEAN_ERROR,
     FAILED,

@@ -29,6 +29,7 @@ from prefixserve.router.events import (
 from prefixserve.router.index import (
     INDEX_KEY_BYTES,
     IndexSettings,
+    IndexSize,
     IndexUnavailable,
     ResultCode,
     StaleEpoch,
@@ -973,3 +974,15 @@ def test_scripts_are_assembled_from_shared_fragments() -> None:
         assert f"local KEY = {INDEX_KEY_BYTES}\n" in source(name), name
     with pytest.raises(ValueError):
         source("../index")
+
+
+@pytest.mark.cluster
+async def test_the_store_reports_its_size(index: RedisPrefixIndex) -> None:
+    chain = chain_of(70, 5)
+    assert await index.size() == IndexSize(0, 0, 0)
+    await hold(index, chain, {"A": 5, "B": 3})  # 8 entries over 5 distinct blocks
+    assert await index.size() == IndexSize(8, 5, 8 * INDEX_KEY_BYTES)
+    await index.deregister(await register(index, "B"))  # B's entries are collected
+    size = await index.size()
+    assert (size.entries, size.blocks) == (5, 5)
+    assert size + size == IndexSize(10, 10, 2 * size.reverse_index_bytes)

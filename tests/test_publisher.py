@@ -16,7 +16,7 @@ from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import BlockRemoved, BlockStored, KVEvent, WorkerLoad
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.publisher import EventPublisher
+from prefixserve.router.publisher import MAX_BATCH_BLOCKS, EventPublisher, batch_length
 
 pytestmark = pytest.mark.cluster
 
@@ -157,6 +157,20 @@ async def test_publish_never_blocks_and_resyncs_after_redis_restart(
         assert depth(await _lookup(redis_server.url, model, chain_of(4, 3)), "W1") == 3
     finally:
         await pub.close()
+
+
+def test_a_batch_takes_whole_events_up_to_the_block_bound() -> None:
+    """The cut the publisher and the simulator both make: whole events, at most
+    MAX_BATCH_BLOCKS digests, at least one event."""
+    ch = chain_of(11, MAX_BATCH_BLOCKS + 10)
+    small, big = BlockStored(tuple(ch[:10])), BlockStored(tuple(ch[10:]))  # 10 and 2,048
+    assert batch_length([small, big]) == 1  # 2,058 > 2,048: the big one waits
+    assert batch_length([big, small]) == 1
+    assert batch_length([small, big], start=1) == 1
+    assert batch_length([BlockStored(tuple(ch)), small]) == 1  # too big alone: alone
+    removed = BlockRemoved(tuple(ch[:5]))
+    assert batch_length([small, removed, small, removed]) == 4
+    assert batch_length([small, removed], start=2) == 0
 
 
 async def test_large_steps_are_split_into_bounded_batches(

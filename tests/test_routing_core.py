@@ -32,7 +32,7 @@ def core(prefix_routing: bool = True, compatible: bool = True) -> RoutingCore:
 
 
 def test_the_serve_router_and_the_simulator_hold_no_copy_of_the_decision() -> None:
-    for path in ("router/request_router.py", "bench/sim_router.py"):
+    for path in ("router/request_router.py", "bench/sim/router.py"):
         source = (ROOT / path).read_text()
         assert "RoutingCore(" in source and "LookupSource(" in source, path
         assert ".decide(" in source, path

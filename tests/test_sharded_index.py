@@ -10,7 +10,7 @@ import redis
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
-from prefixserve.router.index import IndexSettings, ResultCode
+from prefixserve.router.index import INDEX_KEY_BYTES, IndexSettings, IndexSize, ResultCode
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.redis_records import key_tag
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
@@ -68,6 +68,8 @@ async def test_workers_write_to_their_group_and_lookups_merge_every_group(
             is ResultCode.OK
     for g in range(SHARDS):  # each group's keys hold only its own worker's blocks
         assert any(k.endswith(b"B") for k in tag_keys(redis_server.url, index.model, g))
+    # the groups' sizes add up: a block held in two groups counts in each
+    assert await index.size() == IndexSize(15, 15, 15 * INDEX_KEY_BYTES)
     assert await index.heartbeat(ids[1], 1, WorkerLoad(num_running=4))
 
     result = await index.lookup(ch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefixserve.bench.simulate import merged_ceiling
+from prefixserve.bench.sim.simulate import merged_ceiling
 from prefixserve.router.blocks import hash_chain
 
 A = list(range(9))  # 2 full blocks of 4 and one partial

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from prefixserve.bench.round_trip import RoundTrips
-from prefixserve.bench.sim_router import IndexSpec, RouterProcess, SimRouter, check_policy
-from prefixserve.bench.simulate import (
+from prefixserve.bench.micro.round_trip import RoundTrips
+from prefixserve.bench.sim.router import IndexSpec, RouterProcess, SimRouter, check_policy
+from prefixserve.bench.sim.simulate import (
     LEASE_TTL_S,
     SimRequest,
     Simulator,

@@ -8,7 +8,7 @@ node) resolves the same value itself, so nothing depends on a path that exists o
 A GGUF is converted once into a Hugging Face directory under the cache (`gguf-<digest>`: fp32
 safetensors, config.json, tokenizer.json, tokenizer_config.json), written atomically. Opening a
 GGUF and dequantizing it takes seconds per process; the converted directory loads like any other
-checkpoint (see `bench.engine_bench --load-times`).
+checkpoint (see `bench.micro.engine_bench --load-times`).
 
 Torch-free, so the driver and the ingress can name and fingerprint a checkpoint cheaply.
 """

@@ -4,7 +4,7 @@
 requests, forking, stop checks, outputs, stats) with :class:`workers.engine.LLMEngine`, so its
 prefix hits, KV events, preemptions and load are the real engine's for the same token streams;
 only the forward pass is replaced by a cost model (:mod:`workers.sim.profiles`) and the sampler
-by a token source. No tensors: a thousand of them fit in one process (``bench.simulate``).
+by a token source. No tensors: a thousand of them fit in one process (``bench.sim.simulate``).
 
 Time: each step's modelled duration is ``last_step_s``. With ``sleep=True`` (a Serve replica)
 ``step`` sleeps it, so streams take modelled time; otherwise the caller owns the clock (the

@@ -1,6 +1,6 @@
 """Locust users for teams that drive load with Locust (`pip install locust`; optional).
 
-    locust -f bench/locustfile.py --host http://127.0.0.1:8000 --workload shared-prefix \
+    locust -f bench/load/locustfile.py --host http://127.0.0.1:8000 --workload shared-prefix \
         --vocab-size 259 --output-len 64 -u 16 -r 4 --headless -t 2m
 
 Each user streams completions with token-id prompts from the same workloads as `bench run`.
@@ -20,11 +20,11 @@ from typing import Any
 try:
     from locust import HttpUser, events, task
 except ImportError as exc:                   # locust is optional, not a dependency
-    raise ImportError("bench/locustfile.py needs locust: pip install locust") from exc
+    raise ImportError("bench/load/locustfile.py needs locust: pip install locust") from exc
 
-from prefixserve.bench.client import ClientConfig, Prompt, build_body
-from prefixserve.bench.sse import StreamReader
-from prefixserve.bench.workloads import RandomPrompts, SharedPrefix, Tokens
+from prefixserve.bench.load.client import ClientConfig, Prompt, build_body
+from prefixserve.bench.load.sse import StreamReader
+from prefixserve.bench.load.workloads import RandomPrompts, SharedPrefix, Tokens
 
 _prompts: itertools.cycle | None = None
 

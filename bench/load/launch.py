@@ -32,7 +32,7 @@ class Launched:
 def ensure_ray(num_cpus: float | None = None, metrics_export_port: int | None = None,
                metrics_report_interval_ms: int | None = None) -> None:
     """Start a private local Ray unless one is up. With a metrics port, Ray's metrics agent
-    serves Prometheus text there (bench/router_metrics.py reads the router's histogram)."""
+    serves Prometheus text there (bench/load/router_metrics.py reads the router's histogram)."""
     import ray
 
     if not ray.is_initialized():

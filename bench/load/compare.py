@@ -13,13 +13,13 @@ import json
 import math
 from typing import Any
 
-from prefixserve.bench.launch import ensure_ray, local_cluster, shutdown
-from prefixserve.bench.machine import cpu_measure
-from prefixserve.bench.options import make_spec, make_workload, parse_rates
-from prefixserve.bench.outputs import write_outputs
-from prefixserve.bench.report import format_side_by_side, median_summary, ratio, tail_key
-from prefixserve.bench.router_metrics import REPORT_INTERVAL_MS, measurer
-from prefixserve.bench.runner import RunResult, run_sweep
+from prefixserve.bench.load.launch import ensure_ray, local_cluster, shutdown
+from prefixserve.bench.load.machine import cpu_measure
+from prefixserve.bench.load.options import make_spec, make_workload, parse_rates
+from prefixserve.bench.load.outputs import write_outputs
+from prefixserve.bench.load.report import format_side_by_side, median_summary, ratio, tail_key
+from prefixserve.bench.load.router_metrics import REPORT_INTERVAL_MS, measurer
+from prefixserve.bench.load.runner import RunResult, run_sweep
 from prefixserve.cluster.local_redis import free_port
 from prefixserve.router.routing_policies import POLICY_NAMES
 

@@ -15,9 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
 import redis
 
+from prefixserve.bench.percentile import percentile
 from prefixserve.cluster.local_redis import LocalRedis
 
 
@@ -71,9 +71,9 @@ def measure(url: str, rounds: int = 200, work_s: float = 0.003) -> RoundTrips:
             slow += timed_pings(client, size, work_s)
     finally:
         client.close()
-    q = np.percentile(np.asarray(quick) * 1000, [50, 99])
-    s = np.percentile(np.asarray(slow) * 1000, [50, 99])
-    return RoundTrips(work_s * 1000, float(q[0]), float(q[1]), float(s[0]), float(s[1]))
+    quick_ms, slow_ms = [t * 1000 for t in quick], [t * 1000 for t in slow]
+    return RoundTrips(work_s * 1000, percentile(quick_ms, 50), percentile(quick_ms, 99),
+                      percentile(slow_ms, 50), percentile(slow_ms, 99))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,16 +1,16 @@
 """What one routing decision costs the router with nothing else running: the floor under the
-simulator's decision times (``bench.simulate``), where 64 simulated engines and Redis share the
+simulator's decision times (``bench.sim.simulate``), where 64 simulated engines and Redis share the
 router's cores and caches.
 
 One :class:`RouterState` routes to ``--workers`` workers registered in a real Redis. Each worker
 holds some prompts of each length (their blocks stored through the index's event path), and each
 decision asks for one of them with new turn appended, as a chat's next turn does. Per prompt
 length it prints the router's CPU time per part (hashing, the lookups, ranking) and in all,
-Redis' own time running the decision's lookups (its SLOWLOG, ``bench/redis_time.py``), and
+Redis' own time running the decision's lookups (its SLOWLOG, ``bench/micro/redis_time.py``), and
 whether every decision found its worker (the chosen worker's confirmed depth is the whole held
 prompt): the figures are for decisions that did the full work.
 
-    python -m prefixserve.bench.decision_floor --workers 64 --lengths 2000,8000,32000,80000
+    python -m prefixserve.bench.micro.decision_floor --workers 64 --lengths 2000,8000,32000,80000
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
-from prefixserve.bench.redis_time import lookup_clock
+from prefixserve.bench.micro.redis_time import lookup_clock
+from prefixserve.bench.percentile import percentile
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace, token_array
+from prefixserve.router.decision import LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate
 from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
 from prefixserve.router.index import IndexSettings, PrefixIndex
@@ -92,16 +92,19 @@ async def measure(redis_url: str, lengths: Sequence[int], workers: int = 64,
         state = RouterState(RouterSettings(model=model, block_size=BLOCK_SIZE,
                                            fingerprint=FINGERPRINT))
         state.gate.check_workers(await index.live_workers(), [], time.time())
+        # the router's decision, timed by this thread's CPU clock: its own work, no waits
+        core = RoutingCore(state, LookupSource(state, index, None, deadline_s=1.0),
+                           clock=time.thread_time)
         candidates = [Candidate(name, queue_len=2) for name in names]
         keys = itertools.count(1)
         with lookup_clock(redis_url) as redis_ms:
-            return [await _decisions(state, index, n, held[n], candidates, rounds, rng, keys,
+            return [await _decisions(core, n, held[n], candidates, rounds, rng, keys,
                                      redis_ms) for n in lengths]
     finally:
         await index.close()
 
 
-async def _decisions(state: RouterState, index: PrefixIndex, n: int,
+async def _decisions(core: RoutingCore, n: int,
                      prompts: Sequence[tuple[list[int], str]], candidates: list[Candidate],
                      rounds: int, rng: random.Random, keys: Iterator[int],
                      redis_ms: Callable[[], float] | None) -> Floor:
@@ -111,34 +114,29 @@ async def _decisions(state: RouterState, index: PrefixIndex, n: int,
     for r in range(rounds):
         for prompt, owner in prompts:
             tokens = token_array(prompt + [rng.randrange(50_000) for _ in range(TURN_TOKENS)])
-            row, depth = await _decide(state, index, next(keys), tokens, candidates, owner)
+            row, depth = await _decide(core, next(keys), tokens, candidates, owner)
             redis_s = redis_ms() / 1000 if redis_ms is not None else float("nan")
             if r:
                 rows.append((*row, redis_s))
                 found += depth == n // BLOCK_SIZE
-    ms = np.array(rows) * 1000
-    return Floor(n, len(rows), found, tuple(np.percentile(ms, 50, axis=0).tolist()),
-                 tuple(np.percentile(ms, 99, axis=0).tolist()))
+    columns = [[v * 1000 for v in column] for column in zip(*rows, strict=True)]
+    return Floor(n, len(rows), found, tuple(percentile(c, 50) for c in columns),
+                 tuple(percentile(c, 99) for c in columns))
 
 
-async def _decide(state: RouterState, index: PrefixIndex, key: int, tokens: Sequence[int],
+async def _decide(core: RoutingCore, key: int, tokens: Sequence[int],
                   candidates: list[Candidate], owner: str
                   ) -> tuple[tuple[float, float, float, float], int]:
     """One decision's CPU seconds per part, and the confirmed depth it credited the owner."""
     now = time.time()
-    clock = time.thread_time
-    start = clock()
-    ctx = state.context(key, tokens, None, now)
-    hashed = clock()
-    result = await state.match(ctx, index.lookup, now)
-    looked = clock()
-    ranking = state.rank(key, ctx, candidates, result, now)
-    ranked = clock()
-    state.note_routed(key, ranking[0].key, ctx, str(key), now)
-    state.sent(key, ranking[0].key, str(key), now)
-    state.completed(ranking[0].key, str(key))
-    depth = ctx.confirmed.get(owner, 0) if ranking[0].key == owner else -1
-    return (hashed - start, looked - hashed, ranked - looked, ranked - start), depth
+    decision = await core.decide(key, tokens, None, candidates, str(key), now)
+    best = decision.best
+    confirmed = core.state.contexts[key].confirmed  # (sent() retires the context)
+    depth = confirmed.get(owner, 0) if best == owner else -1
+    core.sent(key, best, str(key), now)
+    core.completed(best, str(key))
+    parts = (decision.hash_s, decision.match_s, decision.rank_s)
+    return (*parts, sum(parts)), depth
 
 
 def table(floors: Sequence[Floor]) -> str:

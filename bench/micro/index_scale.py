@@ -21,10 +21,11 @@ prompts, documents, few-shot preambles) picked with Zipf popularity; the rest is
 shared block is held by many workers, a private one by one, and a worker that picks the same
 shared chain twice holds its blocks once.
 
-    python -m prefixserve.bench.index_scale                          # 1,000 x 30,000, one Redis
-    python -m prefixserve.bench.index_scale --convs 6                # scaled down (3M entries)
-    python -m prefixserve.bench.index_scale --mode cluster --convs 6 # 3 shards, 3 models
-    python -m prefixserve.bench.index_scale --mode groups --convs 6  # 3 shards, 1 model, 3 groups
+    python -m prefixserve.bench.micro.index_scale                     # 1,000 x 30,000, one Redis
+    python -m prefixserve.bench.micro.index_scale --convs 6           # scaled down (3M entries)
+    python -m prefixserve.bench.micro.index_scale --mode cluster --convs 6   # 3 shards, 3 models
+    python -m prefixserve.bench.micro.index_scale --mode groups --convs 6    # 3 shards, 1 model,
+                                                                             # 3 groups
 
 In a Redis Cluster one model's keys share one hash tag, hence one slot, hence one shard: the
 cluster mode fills ``--models`` models whose tags land on different shards, concurrently, and
@@ -43,7 +44,6 @@ import os
 import random
 import shutil
 import socket
-import statistics
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -53,10 +53,11 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from prefixserve.bench.redis_time import script_sha, slowlog_ms, slowlog_on
+from prefixserve.bench.micro.redis_time import script_sha, slowlog_ms, slowlog_on
+from prefixserve.bench.percentile import percentile
 from prefixserve.cluster.local_redis import LocalRedis, free_port
 from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from prefixserve.router.index import IndexSettings, PrefixIndex, ResultCode
+from prefixserve.router.index import IndexSettings, IndexSize, PrefixIndex, ResultCode
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.redis_index import RedisPrefixIndex
 from prefixserve.router.redis_records import key_tag
@@ -72,10 +73,6 @@ def server_cpu_s(raw: redis.Redis) -> float:
     return info["used_cpu_user"] + info["used_cpu_sys"]
 
 
-def pct(samples: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``samples`` (nearest rank)."""
-    s = sorted(samples)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
 
 
 def split(blob: bytes) -> tuple[bytes, ...]:
@@ -125,8 +122,16 @@ class Model:
     ids: list[int]
     seqs: dict[int, int]
     samples: list[bytes] = field(default_factory=list)
-    entries: int = 0
-    blocks: int = 0
+    # as the store counts it, after the fill
+    size: IndexSize = field(default_factory=lambda: IndexSize(0, 0, 0))
+
+    @property
+    def entries(self) -> int:
+        return self.size.entries
+
+    @property
+    def blocks(self) -> int:
+        return self.size.blocks
 
 
     @property
@@ -190,11 +195,7 @@ async def fill(model: Model, fleet: Fleet, concurrency: int, keep: int,
     start = time.perf_counter()
     await asyncio.gather(*(publisher() for _ in range(concurrency)))
     took = time.perf_counter() - start
-    model.entries = 0
-    for w in model.ids:
-        store, raw, local = model.part(w)
-        model.entries += int(raw.hget(f"{store._prefix}w:{local}", "n"))
-    model.blocks = sum(raw.hlen(f"{store._prefix}B") for store, raw in model.parts)
+    model.size = await model.index.size()
     return took
 
 
@@ -298,9 +299,9 @@ async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
             await hb.stop()
         rows.append({
             "phase": label, "depth": depth, "n": n,
-            "wall_p50_ms": statistics.median(wall), "wall_p99_ms": pct(wall, 0.99),
-            "redis_p50_ms": statistics.median(server) if server else None,
-            "redis_p99_ms": pct(server, 0.99) if server else None,
+            "wall_p50_ms": percentile(wall, 50), "wall_p99_ms": percentile(wall, 99),
+            "redis_p50_ms": percentile(server, 50) if server else None,
+            "redis_p99_ms": percentile(server, 99) if server else None,
             "redis_cpu_busy": cpu / elapsed,
             "redis_cpu_per_lookup_ms": cpu / n * 1000 if not churn and not heartbeats else None,
             "events_per_s": rate, "heartbeats_per_s": heartbeats,
@@ -325,8 +326,8 @@ async def saturation(model: Model, batch: int, workers: int, seconds: float) -> 
     row = {"phase": f"saturation {batch}-block batches x{workers}", "events_per_s": rate,
            "events": bg.events, "redis_cpu_us_per_event": sum(cpu) / bg.events * 1e6,
            "redis_cpu_s_per_shard": cpu,
-           "apply_p50_ms": statistics.median(server) if server else None,
-           "apply_p99_ms": pct(server, 0.99) if server else None,
+           "apply_p50_ms": percentile(server, 50) if server else None,
+           "apply_p99_ms": percentile(server, 99) if server else None,
            "apply_max_ms": max(server) if server else None,
            "loadavg": os.getloadavg()[0]}
     print(json.dumps(row), flush=True)
@@ -351,7 +352,6 @@ async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
         fill_cpu = server_cpu_s(raw) - cpu0
         after = memory(raw)
         mem = raw.info("memory")
-        rev = sum(raw.strlen(f"{model.parts[0][0]._prefix}r:{w}") for w in model.ids)
         out: dict = {
             "mode": "single", "workers": args.workers, "entries": model.entries,
             "distinct_blocks": model.blocks, "holders_per_block": model.entries / model.blocks,
@@ -359,7 +359,8 @@ async def run_single(args: argparse.Namespace, fleet: Fleet) -> dict:
             "fill_redis_cpu_us_per_event": fill_cpu / model.entries * 1e6,
             "used_memory_delta": after - before,
             "bytes_per_entry": (after - before) / model.entries,
-            "reverse_index_bytes": rev, "used_memory_rss": mem["used_memory_rss"],
+            "reverse_index_bytes": model.size.reverse_index_bytes,
+            "used_memory_rss": mem["used_memory_rss"],
             "fill_loadavg": os.getloadavg()[0],
         }
         print(json.dumps(out), flush=True)

@@ -5,9 +5,9 @@ Fills the index with ``--blocks`` blocks (chains of ``--chain-len`` blocks, each
 existing 128- and 512-block chains (the walk goes all the way down), event-apply throughput,
 and Redis memory per (block, worker) entry. Prints a table with the targets.
 
-    python -m prefixserve.bench.index_bench                  # full size: 1,000,000 blocks
-    python -m prefixserve.bench.index_bench --blocks 100000  # scaled down
-    python -m prefixserve.bench.index_bench --only-predict   # predicted entries' memory only
+    python -m prefixserve.bench.micro.index_bench                  # full size: 1,000,000 blocks
+    python -m prefixserve.bench.micro.index_bench --blocks 100000  # scaled down
+    python -m prefixserve.bench.micro.index_bench --only-predict   # predicted entries' memory only
 
 It also measures the Redis memory that routing-time predicted entries take under a long-prompt
 load (``--predict-prompts`` routed prompts of ``--predict-tokens`` tokens, none cached yet).
@@ -24,11 +24,11 @@ import argparse
 import asyncio
 import os
 import random
-import statistics
 import time
 
 import redis
 
+from prefixserve.bench.percentile import percentile
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch
 from prefixserve.router.index import IndexSettings, PrefixIndex, ResultCode
@@ -89,10 +89,7 @@ async def lookup_latency(index: PrefixIndex, chains, depth: int, n: int,
         result = await index.lookup(chain)
         samples.append((time.perf_counter() - start) * 1000)
         assert max(m.confirmed_depth for m in result.matches.values()) == len(chain)
-    samples.sort()
-    p50 = statistics.median(samples)
-    p99 = samples[min(len(samples) - 1, int(0.99 * len(samples)))]
-    return p50, p99
+    return percentile(samples, 50), percentile(samples, 99)
 
 
 async def apply_throughput(index: PrefixIndex, ids: list[int], seqs: dict[int, int],

@@ -7,15 +7,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prefixserve.bench.client import ClientConfig, Prompt, make_http_client, send
-from prefixserve.bench.load import LoadShape, RunOutcome, run_load, warm_up
-from prefixserve.bench.metrics import (
+from prefixserve.bench.load.client import ClientConfig, Prompt, make_http_client, send
+from prefixserve.bench.load.load import LoadShape, RunOutcome, run_load, warm_up
+from prefixserve.bench.load.metrics import (
     DEFAULT_PERCENTILE_METRICS,
     DEFAULT_PERCENTILES,
     RequestResult,
     summarize,
 )
-from prefixserve.bench.workloads import Session, Tokens, warmup_sessions
+from prefixserve.bench.load.workloads import Session, Tokens, warmup_sessions
 
 WorkloadFn = Callable[[Tokens], list[Session]]
 
@@ -74,7 +74,7 @@ def setup(spec: RunSpec) -> dict[str, Any]:
 
 
 # Called before each point; the coroutine it returns is awaited after the point and gives
-# figures merged into its summary (bench/router_metrics.py: routing latency from Ray).
+# figures merged into its summary (bench/load/router_metrics.py: routing latency from Ray).
 Measure = Callable[[], Awaitable[Callable[[], Awaitable[dict[str, Any]]]]]
 
 

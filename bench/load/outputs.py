@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixserve.bench.report import (
+from prefixserve.bench.load.report import (
     median_summary,
     plot_rate_curves,
     plot_ttft_cdf,
@@ -15,7 +15,7 @@ from prefixserve.bench.report import (
     pooled_label,
     save_json,
 )
-from prefixserve.bench.runner import RunResult
+from prefixserve.bench.load.runner import RunResult
 
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:

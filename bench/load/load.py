@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
-from prefixserve.bench.client import Prompt
-from prefixserve.bench.metrics import RequestResult
-from prefixserve.bench.workloads import Session
+from prefixserve.bench.load.client import Prompt
+from prefixserve.bench.load.metrics import RequestResult
+from prefixserve.bench.load.workloads import Session
 
 SendFn = Callable[[Prompt, str, float], Awaitable[RequestResult]]
 

@@ -20,8 +20,8 @@ TTFT percentiles, worker busy-time imbalance (max / mean) and the router's decis
 clock, hashing + index lookup + ranking, as the ``prefixserve_router_latency_seconds`` metric
 measures). With the prefix policy it also prints each decision's parts, its work apart from the
 machine's waits (the router's CPU time plus Redis' own time running its lookups, from the
-SLOWLOG: :mod:`bench.redis_time`) and what a Redis PING costs on this machine back to back and
-after 3 ms of work (:mod:`bench.round_trip`): the floor under every decision's lookup.
+SLOWLOG: :mod:`bench.micro.redis_time`) and what a Redis PING costs on this machine back to back and
+after 3 ms of work (:mod:`bench.micro.round_trip`): the floor under every decision's lookup.
 
 Departures from the live system, by design: leases and predicted entries expire in Redis' wall
 time, so leases are set long (``LEASE_TTL_S``) and routing-time predictions stay in the
@@ -29,7 +29,7 @@ router's own :class:`router.router_state.LocalPredictions` (simulated time), whi
 single router consults first anyway; Serve's queue length is the router's own count of ongoing
 requests.
 
-    python -m prefixserve.bench.simulate --workers 16,64 \\
+    python -m prefixserve.bench.sim.simulate --workers 16,64 \\
         --policy prefix,pow2,round_robin,ray_prefix \\
         --trace bench/traces/mooncake_conversation_1000.jsonl --out sim.json
 """
@@ -49,13 +49,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import uvloop
 
-from prefixserve.bench.redis_time import lookup_clock
-from prefixserve.bench.round_trip import RoundTrips
-from prefixserve.bench.round_trip import measure as measure_round_trips
-from prefixserve.bench.sim_router import (
+from prefixserve.bench.load.workloads import Tokens, Trace
+from prefixserve.bench.micro.redis_time import lookup_clock
+from prefixserve.bench.micro.round_trip import RoundTrips
+from prefixserve.bench.micro.round_trip import measure as measure_round_trips
+from prefixserve.bench.percentile import percentile
+from prefixserve.bench.sim.router import (
     POLICIES,
     IndexSpec,
     RouterProcess,
@@ -63,7 +64,6 @@ from prefixserve.bench.sim_router import (
     SimRouter,
     check_policy,
 )
-from prefixserve.bench.workloads import Tokens, Trace
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace, token_array
 from prefixserve.router.events import EventBatch, KVEvent
@@ -71,6 +71,7 @@ from prefixserve.router.index import IndexSettings, IndexUnavailable, PrefixInde
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.policy import PolicyConfig
+from prefixserve.router.publisher import batch_length
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
@@ -89,7 +90,6 @@ WEIGHT_NAMES = {f.name for f in fields(PolicyConfig) if not f.metadata.get("inte
 # what it sends at the trace's time 0 as not yet in them: a live router's clock never stands
 # still between a report and a route, simulated time would.
 ARRIVAL_LAG_S = 1e-6
-MAX_BATCH_BLOCKS = 2048  # as the publisher: one apply stays well inside the deadline
 
 
 @dataclass
@@ -198,8 +198,6 @@ def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], nu
     return hit / total if total else 0.0
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
 class Simulator:
@@ -421,19 +419,13 @@ class Simulator:
 
 
 def _batches(events: Sequence[KVEvent]) -> list[tuple[KVEvent, ...]]:
-    """Events cut into batches of at most MAX_BATCH_BLOCKS digests (an event is never cut)."""
+    """Events cut into batches as the publisher cuts them (an event is never cut)."""
     out: list[tuple[KVEvent, ...]] = []
-    batch: list[KVEvent] = []
-    blocks = 0
-    for event in events:
-        size = len(getattr(event, "hashes", ()))
-        if batch and blocks + size > MAX_BATCH_BLOCKS:
-            out.append(tuple(batch))
-            batch, blocks = [], 0
-        batch.append(event)
-        blocks += size
-    if batch:
-        out.append(tuple(batch))
+    start = 0
+    while start < len(events):
+        take = batch_length(events, start)
+        out.append(tuple(events[start : start + take]))
+        start += take
     return out
 
 
@@ -443,7 +435,7 @@ def _batches(events: Sequence[KVEvent]) -> list[tuple[KVEvent, ...]]:
 def trace_requests(path: str | Path, vocab_size: int, *, limit: int | None = None,
                    speedup: float = 1.0, max_input: int | None = None,
                    max_output: int | None = None) -> list[SimRequest]:
-    """A Mooncake trace as token-id requests (bench.workloads.Trace: 512-token runs per id)."""
+    """A Mooncake trace as token-id requests (bench.load.workloads.Trace: 512-token runs per id)."""
     trace = Trace(path=path, limit=limit, speedup=speedup, max_input=max_input,
                   max_output=max_output)
     sessions = trace.sessions(Tokens(vocab_size))

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from prefixserve.bench.client import Prompt
+from prefixserve.bench.load.client import Prompt
 
 TRACE_BLOCK = 512                     # tokens per Mooncake hash id
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # the checkout: bench/traces
 # Seed-key tags: keep the token runs of different roles independent of each other.
 SYSTEM, QUESTION, USER, ANSWER, DOC, TRACE, FILLER, RANDOM, WARMUP = range(1, 10)
 

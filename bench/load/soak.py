@@ -1,6 +1,6 @@
 """Soak test: thousands of mixed requests, then check that nothing leaked.
 
-    python -m prefixserve.bench.soak --requests 3000 --concurrency 16 --num-blocks 48
+    python -m prefixserve.bench.load.soak --requests 3000 --concurrency 16 --num-blocks 48
 
 starts a private cluster (Redis, Ray, two CPU workers with a small KV cache so the scheduler
 preempts), sends a mix of streaming and non-streaming completions with shared prefixes, ``n=2``
@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from prefixserve.bench.client import WORKER_HEADER
-from prefixserve.bench.sse import DONE, SSEParser
+from prefixserve.bench.load.client import WORKER_HEADER
+from prefixserve.bench.load.sse import DONE, SSEParser
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 OK, CLEAN_ERROR, FAILED, HUNG, CANCELLED = "ok", "clean_error", "failed", "hung", "cancelled"
@@ -351,7 +351,7 @@ def check_leaks(app_name: str, redis_url: str | None, model: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m prefixserve.bench.soak",
+    ap = argparse.ArgumentParser(prog="python -m prefixserve.bench.load.soak",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--concurrency", type=int, default=16)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="what the cluster serves (the machinery, not the answers, is tested)")
     args = ap.parse_args(argv)
 
-    from prefixserve.bench.launch import APP_NAME, local_cluster, shutdown
+    from prefixserve.bench.load.launch import APP_NAME, local_cluster, shutdown
 
     try:
         with local_cluster(model=args.model, num_workers=args.num_workers,

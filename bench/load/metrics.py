@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from prefixserve.bench.percentile import percentile
+
 METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (99.0,)
 DEFAULT_PERCENTILE_METRICS = ("ttft", "tpot", "itl")
@@ -99,11 +101,11 @@ def _stats(name: str, values_s: Sequence[float],
     ms = np.asarray(values_s, dtype=float) * 1000 if len(values_s) else np.zeros(1)
     out = {
         f"mean_{name}_ms": float(np.mean(ms)),
-        f"median_{name}_ms": float(np.median(ms)),
+        f"median_{name}_ms": percentile(ms, 50),
         f"std_{name}_ms": float(np.std(ms)),
     }
     for p in percentiles:
-        out[percentile_key(p, name)] = float(np.percentile(ms, p))
+        out[percentile_key(p, name)] = percentile(ms, p)
     return out
 
 

@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from prefixserve.bench.metrics import RequestResult, from_timeline
-from prefixserve.bench.sse import StreamReader
+from prefixserve.bench.load.metrics import RequestResult, from_timeline
+from prefixserve.bench.load.sse import StreamReader
 
 WORKER_HEADER = "x-prefixserve-worker"
 

@@ -5,7 +5,7 @@ and every 4xx must be OpenAI's envelope `{"error": {"message", "type", "param", 
 Generation lengths are clamped (`max_tokens` <= 4, `n` <= 2) so that a case costs milliseconds,
 not a long generation: the point is the input handling. Example::
 
-    python -m prefixserve.bench.fuzz_api --base-url http://127.0.0.1:8000 --max-examples 500
+    python -m prefixserve.bench.load.fuzz_api --base-url http://127.0.0.1:8000 --max-examples 500
 
 prints the case count, the 5xx count and the first failures; exits 1 on any failure.
 """

@@ -1,6 +1,6 @@
 """What the benchmark flags mean: the workload, the client and load settings, the rates.
 
-Shared by `bench run` and `bench compare` (bench/compare.py), which turn the same flags into
+Shared by `bench run` and `bench compare` (bench/load/compare.py), which turn the same flags into
 the same requests.
 """
 
@@ -12,11 +12,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from prefixserve.bench.client import ClientConfig
-from prefixserve.bench.load import LoadShape
-from prefixserve.bench.metrics import METRICS, parse_goodput
-from prefixserve.bench.runner import RunSpec, WorkloadFn
-from prefixserve.bench.workloads import MultiTurn, Rag, RandomPrompts, SharedPrefix, Tokens, Trace
+from prefixserve.bench.load.client import ClientConfig
+from prefixserve.bench.load.load import LoadShape
+from prefixserve.bench.load.metrics import METRICS, parse_goodput
+from prefixserve.bench.load.runner import RunSpec, WorkloadFn
+from prefixserve.bench.load.workloads import (
+    MultiTurn,
+    Rag,
+    RandomPrompts,
+    SharedPrefix,
+    Tokens,
+    Trace,
+)
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, resolve_checkpoint
 from prefixserve.workers.sim.profiles import is_sim_model
 

@@ -1,4 +1,4 @@
-"""The router's side of the simulated cluster (:mod:`bench.simulate`): each policy's decision
+"""The router's side of the simulated cluster (:mod:`bench.sim.simulate`): each policy's decision
 for a request, timed, in the simulator's process or in a process of its own.
 
 In the simulator's process every decision runs between the simulated fleet's steps, event
@@ -25,7 +25,7 @@ from typing import Any
 import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from prefixserve.bench.redis_time import lookup_clock
+from prefixserve.bench.micro.redis_time import lookup_clock
 from prefixserve.router.decision import LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate
 from prefixserve.router.index import IndexSettings, PrefixIndex

@@ -1,8 +1,8 @@
 """Engine throughput and TTFT against transformers' own continuous batching, same weights.
 
-    python -m prefixserve.bench.engine_bench            # the default real model, full size
-    python -m prefixserve.bench.engine_bench --quick    # scaled down
-    python -m prefixserve.bench.engine_bench --device cuda --quick   # on a GPU (bf16)
+    python -m prefixserve.bench.micro.engine_bench            # the default real model, full size
+    python -m prefixserve.bench.micro.engine_bench --quick    # scaled down
+    python -m prefixserve.bench.micro.engine_bench --device cuda --quick   # on a GPU (bf16)
 
 The model is any `--model` value (default: SmolLM2-135M-Instruct, dequantized from its GGUF);
 transformers loads the same dequantized weights from the converted checkpoint directory.
