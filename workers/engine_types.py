@@ -16,7 +16,7 @@ from prefixserve.router.request import TokenLogprob
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
 # The time constant of an engine's busy share: long, since a conversation keeps its worker
-# busy for many minutes (docs/simulation.md: 2 and 10 minutes balanced the trace less).
+# busy for many minutes (on the Mooncake traces, 2 and 10 minutes balanced the workers less).
 BUSY_WINDOW_S = 1800.0
 
 
