@@ -11,13 +11,18 @@ import importlib
 from urllib.parse import urlsplit
 
 from prefixserve.router.index import IndexSettings, PrefixIndex
+from prefixserve.router.registry import Registry
 from prefixserve.router.sharded_index import ShardedPrefixIndex
 
 # URL scheme -> "module:class" of the store serving it (imported on first use, so a process
 # only loads the client library of the store it uses).
-INDEX_STORES: dict[str, str] = {
-    **dict.fromkeys(("redis", "rediss", "unix"), "prefixserve.router.redis_index:RedisPrefixIndex"),
-}
+INDEX_STORES: Registry[str] = Registry(
+    "prefix index store",
+    dict.fromkeys(("redis", "rediss", "unix"), "prefixserve.router.redis_index:RedisPrefixIndex"),
+    unknown=lambda scheme, known: ValueError(
+        f"no prefix index store serves {scheme or 'scheme-less'} URLs "
+        f"({', '.join(f'{s}://' for s in known)})"),
+)
 
 
 def open_index(
@@ -32,12 +37,7 @@ def open_index(
     ``deadline_s`` bounds the caller's frequent calls (lookups for a router, events for a
     worker); ``settings`` holds the rest (default: :class:`IndexSettings`).
     """
-    scheme = urlsplit(url).scheme
-    target = INDEX_STORES.get(scheme)
-    if target is None:
-        known = ", ".join(f"{s}://" for s in INDEX_STORES)
-        raise ValueError(f"no prefix index store serves {scheme or 'scheme-less'} URLs ({known})")
-    module, _, name = target.partition(":")
+    module, _, name = INDEX_STORES.lookup(urlsplit(url).scheme).partition(":")
     store = getattr(importlib.import_module(module), name)
     settings = settings or IndexSettings()
     if settings.shards == 1:

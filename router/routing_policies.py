@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prefixserve.router.registry import Registry
+
 
 @dataclass(frozen=True)
 class RoutingPolicy:
@@ -17,7 +19,7 @@ class RoutingPolicy:
     needs_index: bool  # routes with the prefix index: gets the index settings as router kwargs
 
 
-ROUTING_POLICIES: dict[str, RoutingPolicy] = {
+ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy", {
     # KV-aware: ranks by estimated TTFT with prefix-cache credit from the index
     "prefix": RoutingPolicy("prefixserve.router.request_router:PrefixAwareRequestRouter",
                             needs_index=True),
@@ -28,6 +30,6 @@ ROUTING_POLICIES: dict[str, RoutingPolicy] = {
                                  needs_index=False),
     # Ray Serve's PrefixCacheAffinityRouter (its own prefix tree of routed prompts), the reference
     "ray_prefix": RoutingPolicy("prefixserve.router.ray_prefix:RayPrefixRouter", needs_index=False),
-}
+})
 
-POLICY_NAMES: tuple[str, ...] = tuple(ROUTING_POLICIES)
+POLICY_NAMES: tuple[str, ...] = ROUTING_POLICIES.names()

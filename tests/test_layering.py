@@ -23,7 +23,7 @@ NAMESPACE = "prefixserve"
 # routing policies or the Serve router.
 WORKERS_MAY_IMPORT = {"router.blocks", "router.errors", "router.events", "router.index",
                       "router.index_stores", "router.publisher", "router.request",
-                      "router.sampling_params", "router.secret_refs"}
+                      "router.registry", "router.sampling_params", "router.secret_refs"}
 
 
 def module_name(path: Path) -> str:

@@ -9,12 +9,20 @@ import sys
 import pytest
 import torch
 
+from prefixserve.router.index_stores import INDEX_STORES
+from prefixserve.router.registry import Registry
+from prefixserve.router.routing_policies import ROUTING_POLICIES
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.registry import BACKENDS, backend_for
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.kv_tensor import allocate_kv_cache
-from prefixserve.workers.model_sources import CheckpointSource, SimSource, model_source
+from prefixserve.workers.model_sources import (
+    MODEL_SOURCES,
+    CheckpointSource,
+    SimSource,
+    model_source,
+)
 from prefixserve.workers.models.config import parse_config
 from prefixserve.workers.models.llama import LlamaForCausalLM
 from prefixserve.workers.models.loader import architecture_class, build_model
@@ -24,7 +32,7 @@ from prefixserve.workers.models.registry import (
     get_architecture,
     gguf_architecture,
 )
-from prefixserve.workers.sim.profiles import H100_LLAMA3_8B
+from prefixserve.workers.sim.profiles import H100_LLAMA3_8B, PROFILES
 
 TINY = {
     "vocab_size": 64,
@@ -149,3 +157,19 @@ def test_a_model_name_finds_its_source_and_a_sim_profile_answers_for_itself() ->
     assert checkpoint.check("prefixserve-tiny") == "prefixserve-tiny"
     with pytest.raises(ValueError, match="known model"):
         checkpoint.check("no-such-model-anywhere")
+
+
+def test_every_variation_point_has_the_one_registry_shape() -> None:
+    for registry in (ROUTING_POLICIES, INDEX_STORES, ARCHITECTURES, BACKENDS, MODEL_SOURCES,
+                     PROFILES):
+        assert isinstance(registry, Registry) and registry.names() == tuple(registry)
+    plain = Registry("widget", {"a": 1, "b": 2})
+    assert plain.lookup("b") == 2
+    with pytest.raises(ValueError, match=r"^unknown widget 'c' \(known: a, b\)$"):
+        plain.lookup("c")
+    with pytest.raises(ValueError, match="unknown widget 3"):
+        plain.lookup(3)  # not a name at all
+    assert Registry("widget", {"a": 1}, default=0).lookup("zz") == 0
+    custom = Registry("widget", {"a": 1}, unknown=lambda n, known: KeyError((n, known)))
+    with pytest.raises(KeyError, match=r"\('x', \('a',\)\)"):
+        custom.lookup("x")

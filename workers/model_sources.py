@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefixserve.router.events import KVEvent
+from prefixserve.router.registry import Registry
 from prefixserve.workers import checkpoints
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.models.config import load_model_config
@@ -119,10 +120,10 @@ class SimSource(ModelSource):
 
 
 # Name prefix -> source; the longest matching prefix wins, "" (checkpoints) matches any name.
-MODEL_SOURCES: dict[str, ModelSource] = {
+MODEL_SOURCES: Registry[ModelSource] = Registry("model source", {
     profiles.SIM_PREFIX: SimSource(),
     "": CheckpointSource(),
-}
+})
 
 
 def model_source(model: str) -> ModelSource:

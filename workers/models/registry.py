@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefixserve.router.registry import Registry
 from prefixserve.workers.errors import UnsupportedModelError
 
 
@@ -30,7 +31,13 @@ class Architecture:
     gguf_qk_permuted: bool = False  # llama.cpp's converter interleaved the Q/K rows per head
 
 
-ARCHITECTURES: dict[str, Architecture] = {
+def _unsupported(name: object, supported: tuple[str, ...]) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"unsupported architecture {name!r}; supported: {', '.join(supported)}"
+    )
+
+
+ARCHITECTURES: Registry[Architecture] = Registry("architecture", {
     a.name: a
     for a in (
         Architecture("LlamaForCausalLM", "llama", "llama", "LlamaForCausalLM",
@@ -39,20 +46,12 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("Qwen2ForCausalLM", "qwen2", "llama", "LlamaForCausalLM", qkv_bias=True,
                      sliding_window_flag="use_sliding_window", gguf_name="qwen2"),
     )
-}
-
-
-def _unsupported(name: Any, supported: list[str]) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"unsupported architecture {name!r}; supported: {', '.join(supported)}"
-    )
+}, unknown=_unsupported)
 
 
 def get_architecture(name: str) -> Architecture:
     """The entry for `name`; UnsupportedModelError naming it (and what is supported) if none."""
-    if name not in ARCHITECTURES:
-        raise _unsupported(name, list(ARCHITECTURES))
-    return ARCHITECTURES[name]
+    return ARCHITECTURES.lookup(name)
 
 
 def hf_architecture(raw: dict) -> Architecture:
@@ -66,14 +65,14 @@ def hf_architecture(raw: dict) -> Architecture:
         model_type = raw.get("model_type", "")
         arch = next((a for a in ARCHITECTURES.values() if a.model_type == model_type), None)
     if arch is None:
-        raise _unsupported(archs or raw.get("model_type"), list(ARCHITECTURES))
+        raise _unsupported(archs or raw.get("model_type"), ARCHITECTURES.names())
     return arch
 
 
 def gguf_architecture(gguf_name: Any) -> Architecture:
     """The architecture a GGUF file's `general.architecture` names (UnsupportedModelError if
     none reads from GGUF)."""
-    by_name = {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name}
-    if gguf_name not in by_name:
-        raise _unsupported(gguf_name, list(by_name))
-    return by_name[gguf_name]
+    by_name = Registry("GGUF architecture",
+                       {a.gguf_name: a for a in ARCHITECTURES.values() if a.gguf_name},
+                       unknown=_unsupported)
+    return by_name.lookup(gguf_name)

@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
+from prefixserve.router.registry import Registry
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 # A served sim model has no checkpoint: the ingress tokenizes with the built-in model's tokenizer
@@ -155,8 +156,11 @@ H100_LLAMA3_8B = SimProfile(
     max_num_batched_tokens=8192,
 )
 
-PROFILES: dict[str, SimProfile] = {p.name: p for p in (CPU_SMOLLM2, H100_LLAMA3_8B)}
 SIM_PREFIX = "sim:"
+PROFILES: Registry[SimProfile] = Registry(
+    "simulation profile", {p.name: p for p in (CPU_SMOLLM2, H100_LLAMA3_8B)},
+    unknown=lambda name, known: ValueError(
+        f"no simulation profile {name!r} (known: {', '.join(SIM_PREFIX + n for n in known)})"))
 
 
 def is_sim_model(model: str) -> bool:
@@ -166,12 +170,7 @@ def is_sim_model(model: str) -> bool:
 
 def profile_for(model: str) -> SimProfile:
     """The profile ``sim:<name>`` (or a bare ``<name>``) names; ValueError lists the known."""
-    name = model.removeprefix(SIM_PREFIX)
-    try:
-        return PROFILES[name]
-    except KeyError:
-        known = ", ".join(SIM_PREFIX + n for n in PROFILES)
-        raise ValueError(f"no simulation profile {name!r} (known: {known})") from None
+    return PROFILES.lookup(model.removeprefix(SIM_PREFIX))
 
 
 def served_name(model: str) -> str:
