@@ -3,47 +3,13 @@
 All keys of a model share one Redis Cluster hash tag; ``?cluster=true`` in the URL selects the
 cluster client. TLS (``rediss://``) and AUTH (``redis://user:password@host``) come with the URL.
 
-Key layout under the model's hash tag ``P = "{tag}"`` (one Redis Cluster slot per model, or per
-worker group of it: :mod:`router.sharded_index`)::
-
-    P.."B"           hash: a digest's first 8 bytes -> the 2-byte big-endian ids of the workers
-                     holding the block. One field per block is ~75 bytes of Redis memory (a key
-                     per block would be ~100), many blocks are read in ONE HMGET (a lookup walks
-                     512 blocks in ~10 Redis calls) and an apply writes a batch with one HMGET
-                     + HSET (+ HDEL).
-    P.."q"..digest   predicted entries: records of 2-byte id + 13-digit expiry (ms, Redis
-                     clock); the key's PX is the latest expiry. A prediction writes at most
-                     ``predict_exact_blocks`` of them (the first blocks past the worker's
-                     confirmed depth) ...
-    P.."T"           ... and the rest of a longer chain as one sampled tail (``lua/_tails.lua``):
-                     hash 2-byte id -> the worker's newest tails (at most ``_MAX_TAILS``); the
-                     key's PX is the latest expiry. So a 2,048-block prompt costs ~170 KB of
-                     Redis as 2,048 keys but ~12 KB as 64 keys + a tail
-                     (bench/micro/index_bench.py).
-    P.."r:"..id      the worker's reverse index: its blocks' keys appended as 8-byte records.
-                     Always a superset of its entries (removals leave garbage that is compacted
-                     once it outweighs the live part), so GC of a dead worker is O(own blocks).
-    P.."w:"..id      hash: rid, epoch, bs, fp, node, seq (-1 = needs resync), n, gc, gcpos
-    P.."reg"         set of allocated ids;  P.."ids"  hash replica_id -> id
-    P.."live"        zset 2-byte id -> lease expiry (ms, Redis clock)
-    P.."load"        hash 2-byte id -> msgpack WorkerLoad;  P.."lv"  load version (bumped on
-                     every change);  P.."lz"  zset 2-byte id -> the version of its latest load,
-                     so a lookup returns only the loads changed since the caller's version
-    P.."rv"          registry version (bumped when the id -> replica mapping changes)
-    P.."name"        the model name owning the tag (detects tag collisions)
-
-Per-block keys and P.."B" are built inside the scripts from the prefix; they all share the
-declared keys' slot.
+The key layout under the model's hash tag, and what each script does to it, are documented once,
+in docs/architecture.md ("Redis index"); the scripts are in ``lua/``.
 
 Connections: setting one up (TCP, TLS, AUTH) is bounded by ``connect_timeout_s`` and not by the
 deadline of the call that needed it (see :class:`_SetupOffDeadline`), so a Redis that takes
 longer to connect to than a lookup may take still serves lookups once connected.
 
-Memory: the block hash and the reverse indexes keep a digest's first ``INDEX_KEY_BYTES`` (8)
-bytes (``lua/_key.lua``: 64 bits name 20M blocks with a collision chance near 1e-5, and a
-collision only misroutes). A (block, worker) entry is 2 bytes (the worker id) in the block's
-field of the model's block hash plus 8 bytes in the worker's reverse index; the field's own
-overhead is shared by the block's holders.
 Redis must not evict keys on its own (``maxmemory-policy noeviction`` or ``volatile-*``):
 a partially evicted worker could leave entries that its reverse index does not know.
 """

@@ -379,3 +379,21 @@ def test_fair_admission_considers_untagged_requests_too() -> None:
         sched.add(s)
     out = sched.schedule()
     assert [s.seq_id for s in out.seqs][3:] == ["n", "b9", "a9"]
+
+
+def test_the_output_carries_each_scheduled_sequences_block_table() -> None:
+    """All the model runner reads of the KV manager: the blocks, in the batch's order."""
+    sched = scheduler(budget=12)
+    a, b = seq("a", 9), seq("b", 6, first=100)
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [s.seq_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == [9, 3]
+    assert len(out.tables) == 2
+    assert out.tables[0] is sched.kv.tables["a"] and len(out.tables[0]) == 3  # 9 tokens
+    assert out.tables[1] is sched.kv.tables["b"] and len(out.tables[1]) == 1  # 3 of 6
+    advance(out)
+    out = sched.schedule()  # a decodes, b finishes its prompt
+    assert [len(t) for t in out.tables] == [3, 2]
+    assert [t is sched.kv.tables[s.seq_id] for t, s in zip(out.tables, out.seqs,
+                                                           strict=True)] == [True, True]

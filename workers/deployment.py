@@ -160,9 +160,8 @@ class LLMWorker:
         closed or cancelled), the request is aborted and its blocks are freed.
         """
         params = request.sampling
-        if not isinstance(params, SamplingParams):
+        if not isinstance(params, SamplingParams):  # validated once, by the engine
             raise InvalidRequestError("sampling must be a SamplingParams")
-        params.validate()  # before its n sizes the stream
         self._require_loop()
         if self._closed:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")

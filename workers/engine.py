@@ -65,7 +65,7 @@ class LLMEngine(EngineCore):
         self.model = model
         self.model_config = mc
         self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
-        self.runner = ModelRunner(model, self.kv_cache, self.kv)
+        self.runner = ModelRunner(model, self.kv_cache, self.block_size)
         self.sampler = Sampler()
         log_kv_budget(mc, self.dtype, per_token, num_blocks, config.block_size)
 

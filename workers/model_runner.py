@@ -15,17 +15,15 @@ import numpy as np
 import torch
 
 from prefixserve.workers.attention.metadata import AttentionMetadata
-from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, kv: KVCacheManager) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.kv = kv
-        self.block_size = kv.block_size
+        self.block_size = block_size
         self.device = kv_cache.device
 
     def prepare(
@@ -34,7 +32,7 @@ class ModelRunner:
         """Inputs of the step and the sequences whose last row yields logits (in row order)."""
         bs = self.block_size
         seqs, counts = sched.seqs, sched.num_new_tokens
-        tables = [self.kv.tables[s.seq_id] for s in seqs]
+        tables = sched.tables
         width = max(len(t) for t in tables)
         block_tables = np.zeros((len(seqs), width), dtype=np.int64)
         input_ids: list[int] = []

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.router.blocks import BlockHasher
-from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.kv_cache import Block, KVCacheManager
 
 
 class SeqStatus(enum.Enum):
@@ -77,6 +77,7 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     too_long: list[Sequence] = field(default_factory=list)  # cannot grow in the whole pool
+    tables: list[list[Block]] = field(default_factory=list)  # per scheduled sequence, its blocks
 
     @property
     def empty(self) -> bool:
@@ -121,6 +122,13 @@ class Scheduler:
         return total
 
     def schedule(self) -> SchedulerOutput:
+        """The next step's batch, with each scheduled sequence's block table (all the model
+        runner reads of the KV manager)."""
+        out = self._schedule()
+        out.tables = [self.kv.tables[seq.seq_id] for seq in out.seqs]
+        return out
+
+    def _schedule(self) -> SchedulerOutput:
         out = SchedulerOutput([], [])
         budget = self.max_num_batched_tokens
         kv = self.kv
