@@ -18,7 +18,8 @@ import yaml
 from test_router_state import ABC, TOKENS_A, lookup, state
 
 from prefixserve.router.decision_types import Outcome
-from prefixserve.workers.engine_types import EngineStats, RequestOutput
+from prefixserve.router.request import TokenDelta
+from prefixserve.workers.engine_types import EngineStats
 from prefixserve.workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,8 +95,8 @@ def recorded() -> WorkerMetrics:
 
 
 def out(index: int, tokens: int, finished: bool = False, reason: str | None = None
-        ) -> RequestOutput:
-    return RequestOutput("q", index, list(range(tokens)), None, finished, reason, 10, 4)
+        ) -> TokenDelta:
+    return TokenDelta(index, list(range(tokens)), None, finished, reason, 10, 4, "w")
 
 
 def values(m: WorkerMetrics, name: str) -> list[Any]:

@@ -14,7 +14,7 @@ from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.deployment import LLMWorker
-from prefixserve.workers.engine_loop import merge_steps
+from prefixserve.workers.engine_loop import to_deltas
 from prefixserve.workers.engine_types import RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 
@@ -167,15 +167,17 @@ def _out(index: int, tokens: list[int], finished: bool = False, logprobs: bool =
                          num_prompt_tokens=40, num_cached_tokens=16)
 
 
-def test_merge_steps_joins_each_samples_tokens_in_order() -> None:
+def test_to_deltas_joins_each_samples_tokens_in_order() -> None:
     steps = [[_out(0, [1], logprobs=True), _out(1, [5], logprobs=True)],
              [_out(0, [2], logprobs=True)],
              [_out(1, [6, 7], finished=True, logprobs=True), _out(0, [3], logprobs=True)]]
-    merged = {o.index: o for o in merge_steps(steps)}
-    assert merged[0].new_token_ids == [1, 2, 3] and not merged[0].finished
-    assert merged[1].new_token_ids == [5, 6, 7] and merged[1].finish_reason == "length"
-    assert [lp.token_id for lp in merged[1].new_logprobs] == [5, 6, 7]
-    assert merge_steps([[_out(0, [9])]])[0].new_logprobs is None
+    merged = {o.index: o for o in to_deltas(steps, "w1")}
+    assert merged[0].token_ids == [1, 2, 3] and not merged[0].finished
+    assert merged[1].token_ids == [5, 6, 7] and merged[1].finish_reason == "length"
+    assert [lp.token_id for lp in merged[1].logprobs] == [5, 6, 7]
+    assert (merged[1].num_prompt_tokens, merged[1].num_cached_tokens) == (40, 16)
+    assert {d.worker for d in merged.values()} == {"w1"}
+    assert to_deltas([[_out(0, [9])]], "w1")[0].logprobs is None
     assert steps[0][0].new_token_ids == [1]  # the inputs are not changed
 
 

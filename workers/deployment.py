@@ -47,7 +47,7 @@ from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.router.secret_refs import resolve
 from prefixserve.workers.engine import LLMEngine
-from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, merge_steps
+from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, to_deltas
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.model_sources import model_source
@@ -185,22 +185,13 @@ class LLMWorker:
                         and not any(o.finished for step in held for o in step)):
                     continue
                 now = time.perf_counter()
-                merged = merge_steps(held)
-                if any(o.new_token_ids for o in merged):
+                deltas = to_deltas(held, self.replica_id)
+                if any(d.token_ids for d in deltas):
                     last = now
-                timing.delivered(now, merged, stream.scheduled_at)
-                for out in merged:
-                    finished += out.finished
-                    yield TokenDelta(
-                        index=out.index,
-                        token_ids=out.new_token_ids,
-                        logprobs=out.new_logprobs,
-                        finished=out.finished,
-                        finish_reason=out.finish_reason,
-                        num_prompt_tokens=out.num_prompt_tokens,
-                        num_cached_tokens=out.num_cached_tokens,
-                        worker=self.replica_id,
-                    )
+                timing.delivered(now, deltas, stream.scheduled_at)
+                for delta in deltas:
+                    finished += delta.finished
+                    yield delta
                 held = []
                 if error is not None:
                     finished = params.n  # the engine already dropped it

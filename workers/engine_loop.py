@@ -5,7 +5,7 @@ abort / call commands from a queue, steps the engine while work is pending, and 
 step's outputs to the waiting request's :class:`OutputStream` with
 ``loop.call_soon_threadsafe``. An error in one request (bad input) fails that request only; an
 exception inside a step fails the requests that step ran and the loop goes on. On the consuming
-side, :func:`drain_steps` and :func:`merge_steps` turn a backlog of steps into one delta.
+side, :func:`drain_steps` and :func:`to_deltas` turn a backlog of steps into one delta.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
+from prefixserve.router.request import TokenDelta
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineStats, RequestOutput
@@ -59,27 +60,27 @@ def drain_steps(
         item = pending.get_nowait()
 
 
-def merge_steps(steps: list[list[RequestOutput]]) -> list[RequestOutput]:
-    """One output per sample for several engine steps, tokens in order.
+def to_deltas(steps: list[list[RequestOutput]], worker: str) -> list[TokenDelta]:
+    """The engine's outputs of one or more steps as the wire's deltas, one per sample, tokens in
+    order: the one place an engine output is converted.
 
     When the consumer falls behind (a loaded host), its queued steps go out as one delta: the
     same tokens in fewer stream messages, as vLLM's output collector does, so per-message
     overhead in Serve, the ingress and the client does not grow with the backlog.
     """
-    merged: dict[int, RequestOutput] = {}
+    merged: dict[int, TokenDelta] = {}
     for step in steps:
         for out in step:
             prev = merged.get(out.index)
-            if prev is None:
-                merged[out.index] = replace(out, new_token_ids=list(out.new_token_ids))
-                continue
-            logprobs = None
-            if prev.new_logprobs is not None or out.new_logprobs is not None:
-                logprobs = [*(prev.new_logprobs or []), *(out.new_logprobs or [])]
-            merged[out.index] = replace(
-                out, new_token_ids=[*prev.new_token_ids, *out.new_token_ids],
-                new_logprobs=logprobs,
-            )
+            tokens, logprobs = list(out.new_token_ids), out.new_logprobs
+            if prev is not None:
+                tokens = [*prev.token_ids, *tokens]
+                if prev.logprobs is not None or logprobs is not None:
+                    logprobs = [*(prev.logprobs or []), *(logprobs or [])]
+            merged[out.index] = TokenDelta(
+                index=out.index, token_ids=tokens, logprobs=logprobs, finished=out.finished,
+                finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                num_cached_tokens=out.num_cached_tokens, worker=worker)
     return list(merged.values())
 
 

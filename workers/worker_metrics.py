@@ -20,7 +20,8 @@ from typing import Any
 
 from ray.util import metrics
 
-from prefixserve.workers.engine_types import EngineStats, RequestOutput
+from prefixserve.router.request import TokenDelta
+from prefixserve.workers.engine_types import EngineStats
 
 TAG_KEYS = ("model_name", "worker")
 
@@ -135,11 +136,11 @@ class RequestMetrics:
     tokens_by_sample: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
 
-    def delivered(self, now: float, outs: list[RequestOutput], scheduled_at: float | None) -> None:
+    def delivered(self, now: float, outs: list[TokenDelta], scheduled_at: float | None) -> None:
         """One delta (one output per sample) is going out at ``now``; ``scheduled_at``: when
         the engine step that first scheduled the request began."""
         m = self.metrics
-        new_tokens = sum(len(o.new_token_ids) for o in outs)
+        new_tokens = sum(len(o.token_ids) for o in outs)
         if new_tokens:
             m.counters["vllm_generation_tokens"].inc(new_tokens)
             if self.first_token is None:
@@ -155,10 +156,10 @@ class RequestMetrics:
                 m.observe("vllm_inter_token_latency_seconds", now - self.last_delta)
             self.last_delta = now
         for out in outs:
-            if out.new_token_ids:
+            if out.token_ids:
                 self.first_by_sample.setdefault(out.index, now)
                 self.tokens_by_sample[out.index] = (self.tokens_by_sample.get(out.index, 0)
-                                                    + len(out.new_token_ids))
+                                                    + len(out.token_ids))
             if out.finished and out.index not in self.finished:
                 self._finish(out.index, now, out.finish_reason or "stop")
 
