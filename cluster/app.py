@@ -81,12 +81,10 @@ def build_app(config: ClusterConfig) -> Application:
 def request_router_config(
     policy: str, redis_url: str | None, router: RouterSettings, index: IndexSettings,
     stats_period_s: float = ROUTING_STATS_PERIOD_S,
-) -> RequestRouterConfig | None:
-    """The workers' request router for ``policy`` (``router.routing_policies``); None keeps
-    Serve's default. Index-backed routers get the router and index sections, as plain dicts."""
+) -> RequestRouterConfig:
+    """The workers' request router for ``policy`` (``router.routing_policies``). Index-backed
+    routers get the router and index sections, as plain dicts."""
     routing = ROUTING_POLICIES[policy]
-    if routing.request_router is None:
-        return None
     if not routing.needs_index:
         return RequestRouterConfig(request_router_class=routing.request_router)
     return RequestRouterConfig(

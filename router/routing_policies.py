@@ -1,9 +1,10 @@
 """The routing policies a cluster can run, by the name ``ClusterConfig.policy`` takes.
 
-A policy is a Serve request router. Adding one is a module with a ``RequestRouter`` subclass
-plus one entry here: the config's choices and the app's wiring both come from this table.
-Import paths, not classes, so that reading the table (the config does, in every CLI call)
-imports no Ray.
+A policy is a Serve request router (``router.serve_compat.ServeRequestRouter``, whose calls
+aimed at one replica go through ``router.call_routing`` under every policy). Adding one is a
+module with such a subclass plus one entry here: the config's choices and the app's wiring both
+come from this table. Import paths, not classes, so that reading the table (the config does, in
+every CLI call) imports no Ray.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prefixserve.router.registry import Registry
 
 @dataclass(frozen=True)
 class RoutingPolicy:
-    request_router: str | None  # "module:Class" of the request router; None: Serve's default
+    request_router: str  # "module:Class" of the request router
     needs_index: bool  # routes with the prefix index: gets the index settings as router kwargs
 
 
@@ -24,7 +25,7 @@ ROUTING_POLICIES: Registry[RoutingPolicy] = Registry("routing policy", {
     "prefix": RoutingPolicy("prefixserve.router.request_router:PrefixAwareRequestRouter",
                             needs_index=True),
     # Serve's power of two choices (by queue length)
-    "pow2": RoutingPolicy(None, needs_index=False),
+    "pow2": RoutingPolicy("prefixserve.router.pow2:PowerOfTwoRequestRouter", needs_index=False),
     # cache-blind rotation, the baseline
     "round_robin": RoutingPolicy("prefixserve.router.round_robin:RoundRobinRequestRouter",
                                  needs_index=False),

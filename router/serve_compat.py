@@ -14,6 +14,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from ray.serve._private.common import RequestMetadata
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import (
     PendingRequest,
     ReplicaID,
@@ -23,6 +24,7 @@ from ray.serve.request_router import (
 
 __all__ = [
     "PendingRequest",
+    "PowerOfTwoChoicesRequestRouter",
     "ReplicaID",
     "RequestMetadata",
     "RequestRouter",

@@ -12,7 +12,7 @@ from prefixserve.cluster.config import ClusterConfig, Policy
 from prefixserve.router.ray_prefix import token_text
 from prefixserve.router.request import GenerateRequest
 from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
-from prefixserve.router.serve_compat import RequestRouter
+from prefixserve.router.serve_compat import PowerOfTwoChoicesRequestRouter, ServeRequestRouter
 
 REDIS = "redis://127.0.0.1:1/0"
 
@@ -24,15 +24,16 @@ def load(path: str) -> type:
 
 def test_every_registered_router_is_a_serve_request_router() -> None:
     for name, policy in ROUTING_POLICIES.items():
-        if policy.request_router is not None:
-            assert issubclass(load(policy.request_router), RequestRouter), name
+        # every policy routes calls aimed at one replica the same way (router.call_routing)
+        assert issubclass(load(policy.request_router), ServeRequestRouter), name
 
 
 def test_the_known_policies_and_what_they_need() -> None:
     # the config's order (docs, CLI)
     assert POLICY_NAMES == ("prefix", "pow2", "round_robin", "ray_prefix")
     assert {n for n, p in ROUTING_POLICIES.items() if p.needs_index} == {"prefix"}
-    assert ROUTING_POLICIES["pow2"].request_router is None  # Serve's default router
+    pow2 = load(ROUTING_POLICIES["pow2"].request_router)  # Serve's own ranking, our call routing
+    assert issubclass(pow2, PowerOfTwoChoicesRequestRouter)
     assert load(ROUTING_POLICIES["prefix"].request_router).__name__ == "PrefixAwareRequestRouter"
     assert load(ROUTING_POLICIES["ray_prefix"].request_router).__name__ == "RayPrefixRouter"
 

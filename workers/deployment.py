@@ -357,19 +357,17 @@ def worker_deployment(
     num_cpus: float,
     num_gpus: float,
     max_ongoing_requests: int,
-    request_router_config: RequestRouterConfig | None,
+    request_router_config: RequestRouterConfig,
     ray_actor_options: dict[str, Any] | None = None,
     name: str = "LLMWorker",
     health_check_period_s: float = 10.0,
 ) -> serve.Deployment:
-    """``LLMWorker`` as a Serve deployment behind ``request_router_config`` (None: Serve's
-    power-of-two router). Bind with ``.bind(model, engine, redis_url, model_name, ...)``."""
+    """``LLMWorker`` as a Serve deployment behind ``request_router_config``. Bind with
+    ``.bind(model, engine, redis_url, model_name, ...)``."""
     options = dict(ray_actor_options or {})
     options.setdefault("num_cpus", num_cpus)
     if num_gpus:
         options.setdefault("num_gpus", num_gpus)
-    router = {} if request_router_config is None else {
-        "request_router_config": request_router_config}
     return serve.deployment(
         LLMWorker,
         name=name,
@@ -377,5 +375,5 @@ def worker_deployment(
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options=options,
         health_check_period_s=health_check_period_s,
-        **router,
+        request_router_config=request_router_config,
     )

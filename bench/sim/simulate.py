@@ -10,7 +10,7 @@ KV events (``publish_lag_s`` after the step that made them) and a load heartbeat
 event flushes, heartbeats) runs as fast as the CPU allows, so an hour of trace takes minutes.
 
 Policies: ``prefix`` (the real ranking), ``pow2`` (two random workers, the one with fewer
-ongoing requests: Serve's default), ``round_robin`` and ``ray_prefix`` (Ray Serve's
+ongoing requests, as Serve's router), ``round_robin`` and ``ray_prefix`` (Ray Serve's
 ``PrefixCacheAffinityRouter`` decision on Ray's own ``PrefixTree``, with its defaults: the
 replicas holding the longest token prefix when it covers at least 10% of the prompt, else the
 replicas with the fewest tree characters, then the fewest ongoing requests). Per run it reports

@@ -1,7 +1,7 @@
-"""The index-free policies end to end (no Redis). `--policy ray_prefix`: Ray Serve's
+"""The baseline policies end to end (no Redis, no index). `--policy ray_prefix`: Ray Serve's
 PrefixCacheAffinityRouter, fed token ids by `router.ray_prefix`, keeps prompts that share a prefix
-on one worker. `--policy round_robin` rotates. Both route calls aimed at one worker as every
-policy does (router/call_routing.py)."""
+on one worker. `--policy round_robin` rotates. `--policy pow2` is Serve's power of two choices.
+All three route calls aimed at one worker as every policy does (router/call_routing.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module", params=["ray_prefix", "round_robin"])
+@pytest.fixture(scope="module", params=["ray_prefix", "round_robin", "pow2"])
 def app(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
     """(policy, app name, base URL) of a two-worker app under that policy."""
     policy = request.param
@@ -57,8 +57,9 @@ def test_prompts_sharing_a_prefix_follow_the_policy(app: tuple[str, str, str]) -
             assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     if policy == "ray_prefix":
         assert set(workers) == {workers[0]}
-    else:  # one after the other: the two workers in turn
+    elif policy == "round_robin":  # one after the other: the two workers in turn
         assert workers[0] != workers[1] and workers[::2] == [workers[0]] * 2
+    # pow2 places by queue length alone: each request answered (complete() checks) is its claim
 
 
 def test_calls_aimed_at_one_worker_reach_it(app: tuple[str, str, str]) -> None:
