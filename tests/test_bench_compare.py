@@ -29,6 +29,8 @@ def test_median_summary_takes_numbers_per_figure_and_keeps_the_rest() -> None:
     med = median_summary([a.summary, b.summary, c.summary])
     assert med["request_throughput"] == 10.0 and med["median_ttft_ms"] == 200.0
     assert med["completed"] == 128 and med["per_worker_requests"] == {"w1": 60}
+    # a burst's rate is inf in every launch: its median too (an interpolation would give NaN)
+    assert median_summary([{"request_rate": math.inf}] * 2) == {"request_rate": math.inf}
 
 
 def test_side_by_side_over_launches_prints_medians_and_each_launch_ratio() -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from prefixserve.bench.load.metrics import METRICS, RequestResult
-from prefixserve.bench.percentile import percentile
 
 _LABELS = {"ttft": "TTFT", "tpot": "TPOT", "itl": "ITL", "e2el": "E2E latency"}
 
@@ -120,7 +120,7 @@ def median_summary(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     for key in summaries[0]:
         values = [s.get(key) for s in summaries]
         if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-            out[key] = percentile(values, 50)
+            out[key] = statistics.median(values)  # inf too (a burst's rate): no interpolation
     return out
 
 
