@@ -40,6 +40,14 @@ WAIT_S = 0.2  # a read waits this long for news before it asks again
 MAX_RETRY_S = 30.0  # retries after a failure back off up to this
 
 
+def _stopping() -> bool:
+    """Whether this task was asked to stop, though the CancelledError did not reach us: a client
+    library may turn it into its own error (redis-py's connect does), which must not keep a
+    loop that retries errors alive. (``Task.cancelling`` is 3.11+; before, no such check.)"""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
+
+
 def event_logs(index: PrefixIndex) -> list[EventLog] | None:
     """The logs to follow for ``index`` (one per worker group), or None when its store keeps
     none that a router can read."""
@@ -142,6 +150,8 @@ class IndexFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the index is down, or wrote junk: start over later
+                if _stopping():
+                    raise asyncio.CancelledError from exc
                 cursor.ready = False
                 if pause == self._retry_s:
                     logger.warning("prefix index log %d: following paused, lookups go to the "
@@ -209,6 +219,8 @@ class IndexFollower:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the index is down: ready lapses with the live list
+                if _stopping():
+                    raise asyncio.CancelledError from exc
                 logger.debug("prefix index: live workers or loads not read (%r)", exc)
             await asyncio.sleep(self._loads_every_s)
 

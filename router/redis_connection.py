@@ -79,6 +79,9 @@ class _SetupOffDeadline:
         except asyncio.CancelledError:
             if not task.cancelled():  # our caller gave up; the setup goes on for the next one
                 raise
+            current = asyncio.current_task()
+            if current is not None and getattr(current, "cancelling", lambda: 0)():
+                raise  # our caller is being cancelled too (a loop shutting down): it ends
             raise ConnectionError("the client closed while connecting") from None
         finally:
             if call is not None:

@@ -15,7 +15,13 @@ from fleetkit import Fleet, digests
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import Chain
 from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
-from prefixserve.router.index import IndexSettings, LookupResult, PrefixIndex, ResultCode
+from prefixserve.router.index import (
+    IndexSettings,
+    IndexUnavailable,
+    LookupResult,
+    PrefixIndex,
+    ResultCode,
+)
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.redis_records import key_tag
@@ -278,3 +284,39 @@ async def test_a_follower_is_not_ready_while_redis_is_down_and_catches_up_after(
     finally:
         task.cancel()
         await index.close()
+
+
+class SwallowingStore:
+    """An index and its log whose every call, when cancelled, raises the store's own error
+    instead, as a client library may (redis-py's connection setup did, when a loop's shutdown
+    cancelled the setup and its caller together)."""
+
+    lease_ttl_s = 10.0
+
+    async def _call(self) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            raise IndexUnavailable("the client closed while connecting") from None
+
+    async def keep_log(self, entries: int) -> None:
+        await self._call()
+
+    async def live_workers(self) -> list:
+        await self._call()
+        return []
+
+    async def lookup(self, chain: Chain) -> LookupResult:
+        await self._call()
+        return LookupResult({})
+
+
+async def test_a_cancelled_follower_stops_even_when_the_store_turns_the_cancel_into_an_error(
+) -> None:
+    store = SwallowingStore()
+    follower = IndexFollower(store, [store], log_entries=10, retry_s=0.01)  # type: ignore[arg-type]
+    task = asyncio.ensure_future(follower.run())
+    await asyncio.sleep(0.05)  # both loops wait in a store call
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=2.0)
+    assert task in done and task.cancelled(), "the follower kept running after its cancel"
