@@ -114,9 +114,10 @@ class OpenAIIngress:
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
-        source = model_source(model)  # resolved on this node: paths differ between nodes
-        model_len, self.vocab_size = source.limits(model)
-        self.tokenizer = Tokenizer(tokenizer or source.tokenizer_path(model), chat_template)
+        source = model_source(model)
+        path = source.tokenizer_path(model)  # resolved on this node: paths differ between nodes
+        model_len, self.vocab_size = source.limits(model, path)
+        self.tokenizer = Tokenizer(tokenizer or path, chat_template)
         self.model_name = model_name
         self.render = Renderer(self.tokenizer, model_name)
         self.max_model_len = min(max_model_len or model_len, model_len)

@@ -97,3 +97,20 @@ def _route_to_target(router: ServeRequestRouter, candidates: list[RunningReplica
         f"(running: {sorted(replica_key(r) for r in candidates)})"
     ))
     return [candidates]  # Serve's routing loop sees the call done and drops it
+
+
+class ServeRanked(ServeRequestRouter):
+    """A policy whose generate calls a Serve router class after this one in the MRO ranks
+    (``class P(ServeRanked, PowerOfTwoChoicesRequestRouter)``); every other call is routed
+    here, as under every policy."""
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> Tiers:
+        return await route_call(self, candidate_replicas, pending_request, self._serve_ranks)
+
+    async def _serve_ranks(self, candidates: list[RunningReplica], pending: PendingRequest,
+                           request: GenerateRequest) -> Tiers:
+        return await super().choose_replicas(candidates, pending)

@@ -18,9 +18,9 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router i
     PrefixCacheAffinityRouter,
 )
 
-from prefixserve.router.call_routing import Tiers, route_call
+from prefixserve.router.call_routing import ServeRanked
 from prefixserve.router.request import GenerateRequest
-from prefixserve.router.serve_compat import PendingRequest, RunningReplica, ServeRequestRouter
+from prefixserve.router.serve_compat import PendingRequest
 
 TOKEN_CHAR_BASE = 0xE000  # private use area, past the surrogates (0xD800-0xDFFF)
 
@@ -31,18 +31,7 @@ def token_text(request: GenerateRequest) -> str:
     return tokens if request.cache_salt is None else f"{request.cache_salt}\0{tokens}"
 
 
-class RayPrefixRouter(ServeRequestRouter, PrefixCacheAffinityRouter):
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> Tiers:
-        return await route_call(self, candidate_replicas, pending_request, self._affinity)
-
-    async def _affinity(self, candidates: list[RunningReplica], pending: PendingRequest,
-                        request: GenerateRequest) -> Tiers:
-        return await super().choose_replicas(candidates, pending)
-
+class RayPrefixRouter(ServeRanked, PrefixCacheAffinityRouter):
     def _extract_text_from_request(self, pending_request: PendingRequest) -> str:
         for arg in pending_request.args:
             if isinstance(arg, GenerateRequest):

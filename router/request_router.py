@@ -96,11 +96,10 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
         self._index_settings = IndexSettings.model_validate(index or {})
         self._state = RouterState(RouterSettings.model_validate(settings or {}),
                                   self._index_settings)
-        # the index and its follower are opened on first use (_get_index)
+        # the index and its follower are opened on first use (_get_index) and live here
         self._source = LookupSource(self._state, None, None,
                                     self._state.settings.lookup_deadline_s)
         self._core = RoutingCore(self._state, self._source)
-        self._index: PrefixIndex | None = None
         self._background: set[asyncio.Task] = set()
         self._check_task: asyncio.Task | None = None
 
@@ -189,8 +188,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             self._matched.observe(outcome.matched_blocks)
             if outcome.spill is not None:
                 self._spill.inc(tags={"reason": outcome.spill})
-        if prediction is not None and self._index is not None:
-            self._spawn(self._predict(self._index, prediction))
+        if prediction is not None and self._source.index is not None:
+            self._spawn(self._predict(self._source.index, prediction))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         self._core.completed(replica_key(replica_id), internal_request_id)
@@ -198,22 +197,22 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
     # ------------------------------------------------------------------------------- index
 
     def _get_index(self) -> PrefixIndex | None:
-        if self._index is None and self._index_url:
+        """The index, opened on first use (with its follower); it lives in the lookup source."""
+        source = self._source
+        if source.index is None and self._index_url:
             settings = self._state.settings
-            self._index = open_index(
+            source.index = index = open_index(
                 self._index_url,
                 settings.model,
                 deadline_s=settings.lookup_deadline_s,
                 settings=self._index_settings,
             )
-            self._source.index = self._index
-            logs = event_logs(self._index) if self._index_settings.event_log else None
+            logs = event_logs(index) if self._index_settings.event_log else None
             if logs is not None:
-                follower = IndexFollower(self._index, logs,
-                                         log_entries=self._index_settings.event_log)
-                self._source.follower = follower
-                self._spawn(_follow_while_ray_runs(follower))
-        return self._index
+                source.follower = IndexFollower(index, logs,
+                                                log_entries=self._index_settings.event_log)
+                self._spawn(_follow_while_ray_runs(source.follower))
+        return source.index
 
     async def _predict(self, index: PrefixIndex, prediction: Prediction) -> None:
         """Only the blocks the worker does not hold yet; other routers see them at once."""

@@ -149,8 +149,9 @@ def test_a_model_name_finds_its_source_and_a_sim_profile_answers_for_itself() ->
     assert sim.check("sim:h100-llama3-8b") == "sim:h100-llama3-8b"
     with pytest.raises(ValueError, match=r"no simulation profile 'nope' \(known: sim:"):
         sim.check("sim:nope")
-    assert sim.limits("sim:h100-llama3-8b") == (H100_LLAMA3_8B.max_model_len,
-                                                H100_LLAMA3_8B.served_vocab_size)
+    path = sim.tokenizer_path("sim:h100-llama3-8b")  # the sim tokenizer's checkpoint
+    assert sim.limits("sim:h100-llama3-8b", path) == (H100_LLAMA3_8B.max_model_len,
+                                                      H100_LLAMA3_8B.served_vocab_size)
     assert sim.fingerprint("sim:h100-llama3-8b") == H100_LLAMA3_8B.fingerprint
     assert sim.served_name("sim:h100-llama3-8b") == "sim-h100-llama3-8b"
     checkpoint = model_source("prefixserve-tiny")

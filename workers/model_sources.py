@@ -41,8 +41,9 @@ class ModelSource(ABC):
         """The checkpoint directory whose tokenizer (and chat template) the ingress reads."""
 
     @abstractmethod
-    def limits(self, model: str) -> tuple[int, int]:
-        """The model's context length and the vocabulary its workers accept."""
+    def limits(self, model: str, path: Path) -> tuple[int, int]:
+        """The model's context length and the vocabulary its workers accept; ``path`` is
+        :meth:`tokenizer_path`'s answer, so the checkpoint is resolved once."""
 
     @abstractmethod
     def fingerprint(self, model: str) -> str:
@@ -71,8 +72,8 @@ class CheckpointSource(ModelSource):
     def tokenizer_path(self, model: str) -> Path:
         return checkpoints.resolve_checkpoint(model)
 
-    def limits(self, model: str) -> tuple[int, int]:
-        config = load_model_config(checkpoints.resolve_checkpoint(model))
+    def limits(self, model: str, path: Path) -> tuple[int, int]:
+        config = load_model_config(path)
         return config.max_model_len, config.vocab_size
 
     def fingerprint(self, model: str) -> str:
@@ -100,8 +101,8 @@ class SimSource(ModelSource):
     def tokenizer_path(self, model: str) -> Path:
         return checkpoints.resolve_checkpoint(profiles.TOKENIZER_MODEL)
 
-    def limits(self, model: str) -> tuple[int, int]:
-        profile = profiles.profile_for(model)
+    def limits(self, model: str, path: Path) -> tuple[int, int]:
+        profile = profiles.profile_for(model)  # no checkpoint: the profile's
         return profile.max_model_len, profile.served_vocab_size
 
     def fingerprint(self, model: str) -> str:
