@@ -15,7 +15,10 @@ in the call until a streamed response has ended. Per request it
    requests in this replica (code `tenant_overloaded`; with API keys only: without them every
    client is the same anonymous tenant), or the replica holds `max_in_flight` (code
    `overloaded`), instead of queueing without bound;
-5. cancels a request whose client reads nothing of its response for `idle_stream_timeout_s`
+5. answers 400 to a request carrying Serve's `x-request-disconnect-disabled: ?1` header unless
+   the operator allows it (`allow_disconnect_disabled_header`): with it, Serve's proxy would
+   keep generating for a client that has gone, holding its slot to the end;
+6. cancels a request whose client reads nothing of its response for `idle_stream_timeout_s`
    (a response write that long blocked), which aborts its generation, and drops the connection.
 
 Keys are held only as SHA-256 digests. Every rejection is in OpenAI's error envelope.
@@ -48,6 +51,8 @@ from prefixserve.cluster.ingress_config import (
 OPEN_PATHS = frozenset({"/health"})
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1
+# Serve's proxy stops watching for the client's disconnect when a request carries this as ?1.
+DISCONNECT_DISABLED_HEADER = "x-request-disconnect-disabled"
 
 
 def key_digest(key: str) -> str:
@@ -80,6 +85,7 @@ class GuardSettings:
     idle_stream_timeout_s: float = DEFAULT_IDLE_STREAM_TIMEOUT_S
     max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
     max_request_logprobs: int = DEFAULT_MAX_REQUEST_LOGPROBS
+    allow_disconnect_disabled_header: bool = False
 
     @classmethod
     def of(cls, ingress: IngressConfig) -> GuardSettings:
@@ -93,6 +99,7 @@ class GuardSettings:
             idle_stream_timeout_s=ingress.idle_stream_timeout_s,
             max_request_tokens=ingress.max_request_tokens,
             max_request_logprobs=ingress.max_request_logprobs,
+            allow_disconnect_disabled_header=ingress.allow_disconnect_disabled_header,
         )
 
 
@@ -151,11 +158,19 @@ class Guard:
             self._release_slot(tenant)
 
     def _admit(self, scope: Scope) -> ApiError | None:
-        """Size by Content-Length, then the API key (sets the tenant)."""
+        """Size by Content-Length, Serve's disconnect header, then the API key (sets the
+        tenant)."""
         headers = _headers(scope)
         length = headers.get("content-length", "")
-        if length.isdigit() and int(length) > self.settings.max_request_bytes:
-            return BodyTooLarge(self.settings.max_request_bytes)
+        limit = self.settings.max_request_bytes
+        # Compared by digits first: int() refuses a text past 4,300 digits.
+        if length.isdigit() and (len(length) > len(str(limit)) or int(length) > limit):
+            return BodyTooLarge(limit)
+        if (headers.get(DISCONNECT_DISABLED_HEADER) == "?1"
+                and not self.settings.allow_disconnect_disabled_header):
+            return ApiError(400, f"the {DISCONNECT_DISABLED_HEADER} header is not accepted here: "
+                            "a request is aborted when its client disconnects",
+                            param=DISCONNECT_DISABLED_HEADER, code="header_not_allowed")
         if not self.settings.key_tenants or _route(scope) in OPEN_PATHS:
             return None
         scheme, _, key = headers.get("authorization", "").partition(" ")

@@ -94,6 +94,12 @@ class IngressConfig(BaseModel):
         "aborted, KV blocks freed) and the connection closed. Acts where the HTTP server "
         "pushes back on the app (uvicorn serving it directly); behind Serve's HTTP proxy "
         "writes never wait, and max_request_tokens bounds such a stream")
+    allow_disconnect_disabled_header: bool = Field(
+        False, description="Serve requests that carry Ray Serve's `x-request-disconnect-"
+        "disabled: ?1` header. Serve's proxy then keeps such a request running after its "
+        "client has gone (holding its in-flight slot and its worker's KV to the end), so by "
+        "default they get 400 (code header_not_allowed); allow it only when every client is "
+        "trusted")
     api_keys: dict[str, str] = Field(
         default_factory=_api_keys_from_env, validate_default=True, repr=False,
         description=f"API key -> tenant, as a JSON object or a JSON file's path; env "

@@ -36,6 +36,9 @@ MAX_PROMPTS = 32  # prompts per completions request (batch)
 MAX_STOP = 16  # stop strings per request
 MAX_STOP_LEN = 256  # characters per stop string
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: each costs the worker on every step
+# Digits in a token id written as text (logit_bias keys): every id below 2**31 fits, and a
+# longer key is refused before int() reads it (Python's int() refuses past 4,300 digits).
+MAX_TOKEN_ID_DIGITS = 10
 
 
 class _Request(BaseModel):
@@ -95,7 +98,11 @@ class _SamplingRequest(_Request):
     def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for token, bias in (value or {}).items():
             if not (token.isascii() and token.isdigit()):
-                raise ValueError(f"keys must be token ids (decimal integers), got {token!r}")
+                raise ValueError(f"keys must be token ids (decimal integers), got "
+                                 f"{token[:MAX_TOKEN_ID_DIGITS + 2]!r}")
+            if len(token) > MAX_TOKEN_ID_DIGITS:
+                raise ValueError(f"keys must be token ids of at most {MAX_TOKEN_ID_DIGITS} "
+                                 f"digits, got one of {len(token):,}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"biases must be in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {bias} for token {token}")

@@ -8,6 +8,7 @@ One module-scoped cluster (auth off, one worker, a short context so valid fuzz c
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -45,6 +46,7 @@ def test_schema_fuzz_never_5xx(base_url: str) -> None:
     assert report.cases >= 50, report
     assert report.ok, "\n".join(report.failures)
     assert report.statuses.get(200) and report.statuses.get(400), report.statuses
+    assert report.oversized >= 100, report  # every field of each body, as oversized numbers
 
 
 CHAT = "/v1/chat/completions"
@@ -94,6 +96,11 @@ def _j(body: object) -> bytes:
         (CMPL, b"[]", 400),
         (CMPL, b'"just a string"', 400),
         (CMPL, b"\x00\x01\x02", 400),
+        # past Python's 4,300-digit int() limit: refused by length, not a 500
+        (CMPL, _j({"prompt": "x", "logit_bias": {"9" * 5000: 1}}), 400),
+        (CHAT, _j({"messages": USER, "logit_bias": {"1" * 5000: -1}}), 400),
+        (CMPL, _j({"prompt": "x", "logit_bias": {"0" * 11: 1}}), 400),
+        (CMPL, _j({"prompt": "x", "logit_bias": {"0" * 10: 1}, "max_tokens": 1}), 200),
     ],
 )
 def test_hostile_bodies(base_url: str, path: str, body: bytes, status: int) -> None:
@@ -104,6 +111,16 @@ def test_hostile_bodies(base_url: str, path: str, body: bytes, status: int) -> N
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"}
         assert error["type"] == "invalid_request_error"
+
+
+def test_a_content_length_of_5000_digits_is_refused(base_url: str) -> None:
+    url = httpx.URL(base_url)
+    with socket.create_connection((url.host, url.port), timeout=60) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + b"9" * 5000 + b"\r\n\r\n{}")
+        answer = conn.recv(65536)
+    status = int(answer.split(b" ", 2)[1])
+    assert 400 <= status < 500, answer[:300]
 
 
 def test_wrong_method_and_path_are_enveloped(base_url: str) -> None:

@@ -87,6 +87,22 @@ def test_a_request_too_costly_is_refused_before_any_worker_runs(base_url: str) -
                       ).status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_cannot_switch_off_the_disconnect_abort(base_url: str, stream: bool) -> None:
+    """Serve's proxy would keep generating for a client gone; the header is refused."""
+    seen = prompt_tokens_seen()
+    headers = A | {"x-request-disconnect-disabled": "?1"}
+    body = {"prompt": "hold on", "max_tokens": 200, "ignore_eos": True, "stream": stream}
+    r = httpx.post(f"{base_url}/v1/completions", json=body, headers=headers, timeout=60)
+    error = envelope(r, 400)
+    assert (error["code"], error["param"]) == ("header_not_allowed",
+                                               "x-request-disconnect-disabled")
+    assert prompt_tokens_seen() == seen  # nothing ran for it
+    neutral = A | {"x-request-disconnect-disabled": "?0"}  # Serve's default, spelled out
+    r = httpx.post(f"{base_url}/v1/completions", json=SMALL, headers=neutral, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 async def _while_serving_small(base_url: str, headers: dict[str, str], path: str, body: dict
                                ) -> httpx.Response:
     """`body`'s answer, sent while small requests stream in alongside: all of them served."""
