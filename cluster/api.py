@@ -46,6 +46,7 @@ from prefixserve.cluster.protocol import (
     CompletionRequest,
 )
 from prefixserve.cluster.render import Renderer, collect, stream_response, worker_headers
+from prefixserve.cluster.request_limits import RequestLimits
 from prefixserve.cluster.responses import ModelCard, ModelList, new_id, now
 from prefixserve.cluster.tokenize_protocol import (
     DetokenizeRequest,
@@ -55,6 +56,7 @@ from prefixserve.cluster.tokenize_protocol import (
     VersionResponse,
 )
 from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
+from prefixserve.cluster.worker_health import WorkerHealth
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.model_sources import model_source
 
@@ -63,6 +65,7 @@ logger = logging.getLogger("ray.serve")
 app = FastAPI(title="prefixserve", docs_url=None, redoc_url=None)
 app.add_middleware(Guard)
 CAPACITY_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 2.0  # a worker that takes longer to answer /ready's stats call is not ready
 INLINE_CHARS = 4096  # text up to this long is tokenized inline (~1 ms); longer: on the pool
 MESSAGE_CHARS = 64  # what a chat message weighs against INLINE_CHARS besides its text
 INLINE_TOKENS = 1024  # token ids up to this many are decoded inline; more: on the pool
@@ -107,20 +110,25 @@ class OpenAIIngress:
     def __init__(self, workers: DeploymentHandle, model: str, model_name: str,
                  max_model_len: int | None, guard: GuardSettings,
                  salt_secret: bytes = b"", tokenizer: str | None = None,
-                 chat_template: str | None = None) -> None:
+                 chat_template: str | None = None,
+                 worker_stall_timeout_s: float | None = None) -> None:
         Guard.configure(guard)
-        self.limits = guard
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
+        self.stall_timeout_s = worker_stall_timeout_s
+        self.worker_health = WorkerHealth(workers, (worker_stall_timeout_s or 0.0) / 4)
         source = model_source(model)
         path = source.tokenizer_path(model)  # resolved on this node: paths differ between nodes
-        model_len, self.vocab_size = source.limits(model, path)
+        model_len, vocab_size = source.limits(model, path)
         self.tokenizer = Tokenizer(tokenizer or path, chat_template)
         self.model_name = model_name
         self.render = Renderer(self.tokenizer, model_name)
         self.max_model_len = min(max_model_len or model_len, model_len)
+        self.bounds = RequestLimits(self.max_model_len, vocab_size,
+                                    self.tokenizer.max_chars_per_token, guard.max_request_tokens,
+                                    guard.max_request_logprobs)
         self.created = now()
 
     # -- routes -------------------------------------------------------------------------------
@@ -128,6 +136,15 @@ class OpenAIIngress:
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness, where /health is liveness: 200 once every worker Serve routes to answers
+        and none is stalled, else 503; the body gives each worker's state."""
+        states = await self.worker_health.readiness(READY_TIMEOUT_S)
+        ok = bool(states) and all(s == "ready" for s in states.values())
+        return JSONResponse({"status": "ready" if ok else "not_ready", "workers": states},
+                            status_code=200 if ok else 503)
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
@@ -153,10 +170,10 @@ class OpenAIIngress:
                                        req.chat_template_kwargs, req.special_tokens)
         else:
             param, prompt = "prompt", req.prompt or ""
-            self._check_chars(len(prompt), param)
+            self.bounds.chars(len(prompt), param)
             ids = await self._run(len(prompt) > INLINE_CHARS, self.tokenizer.encode, prompt,
                                   req.special_tokens)
-        self._check_length(len(ids), param)
+        self.bounds.length(len(ids), param)
         strs = [self.tokenizer.token_piece(i) for i in ids] if req.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=self.max_model_len, tokens=ids,
                                 token_strs=strs).model_dump()
@@ -166,8 +183,8 @@ class OpenAIIngress:
         """vLLM's /detokenize: token ids back to text, special tokens included."""
         req = parse_body(DetokenizeRequest, await request.body())
         self._check_model(req.model)
-        self._check_length(len(req.tokens), "tokens")
-        self._check_ids(req.tokens, "tokens")
+        self.bounds.length(len(req.tokens), "tokens")
+        self.bounds.ids(req.tokens, "tokens")
         text = await self._run(len(req.tokens) > INLINE_TOKENS, self.tokenizer.decode,
                                req.tokens, False)
         return DetokenizeResponse(prompt=text).model_dump()
@@ -176,19 +193,19 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
         self._check_model(req.model)
-        self._check_stop_ids(req.stop_token_ids)
-        self._check_logit_bias(req.logit_bias_ids)
+        self.bounds.stop_ids(req.stop_token_ids)
+        self.bounds.logit_bias(req.logit_bias_ids)
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
         inputs = req.prompts()
-        self._check_cost(len(inputs), req.n, max_tokens, req.logprobs, "logprobs")
+        self.bounds.cost(len(inputs), req.n, max_tokens, req.logprobs, "logprobs")
         for prompt in inputs:  # cheap checks of every prompt before tokenizing any
             if isinstance(prompt, str):
-                self._check_chars(len(prompt), "prompt")
+                self.bounds.chars(len(prompt), "prompt")
             else:
-                self._check_context(len(prompt), max_tokens, "prompt")
+                self.bounds.context(len(prompt), max_tokens, "prompt")
         prompts = [await self._prompt_ids(p) for p in inputs]
         for ids in prompts:
-            self._check_context(len(ids), max_tokens, "prompt")
+            self.bounds.context(len(ids), max_tokens, "prompt")
             await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_params(max_tokens, req.logprobs)
         gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
@@ -203,15 +220,15 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
-        self._check_stop_ids(req.stop_token_ids)
-        self._check_logit_bias(req.logit_bias_ids)
+        self.bounds.stop_ids(req.stop_token_ids)
+        self.bounds.logit_bias(req.logit_bias_ids)
         ids = await self._chat_ids(req.messages, req.add_generation_prompt,
                                    req.chat_template_kwargs)
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
-        self._check_context(len(ids), max_tokens, "messages")
-        self._check_cost(1, req.n, max_tokens, req.num_logprobs, "top_logprobs",
+        self.bounds.context(len(ids), max_tokens, "messages")
+        self.bounds.cost(1, req.n, max_tokens, req.num_logprobs, "top_logprobs",
                          rest_of_context=req.max_output_tokens is None)
         await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_params(max_tokens, req.num_logprobs)
@@ -240,14 +257,8 @@ class OpenAIIngress:
             if not ids:
                 raise ApiError(400, "prompt encodes to no tokens", param="prompt")
             return ids
-        self._check_ids(prompt, "prompt")
+        self.bounds.ids(prompt, "prompt")
         return prompt
-
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ApiError(400, f"token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param=param)
 
     async def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool,
                         template_kwargs: dict[str, Any] | None,
@@ -260,7 +271,7 @@ class OpenAIIngress:
             for m in chat
         ]
         chars = sum(len(m["content"]) for m in messages)
-        self._check_chars(chars, "messages")
+        self.bounds.chars(chars, "messages")
         heavy = chars + MESSAGE_CHARS * len(messages) > INLINE_CHARS
         return await self._run(heavy, self._encode_chat, messages, add_generation_prompt,
                                template_kwargs, add_special_tokens)
@@ -276,7 +287,7 @@ class OpenAIIngress:
             raise ApiError(400, str(exc), param="chat_template_kwargs") from None
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        self._check_chars(len(text), "messages")
+        self.bounds.chars(len(text), "messages")
         # The template writes BOS itself when the model wants it (as transformers does).
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
@@ -291,71 +302,6 @@ class OpenAIIngress:
     def _json_response(render: Callable[..., BaseModel], gen: Generation, *args: Any
                        ) -> JSONResponse:
         return JSONResponse(render(gen, *args).model_dump(), headers=worker_headers(gen))
-
-    def _check_logit_bias(self, bias: dict[int, float]) -> None:
-        bad = [t for t in bias if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"logit_bias token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="logit_bias")
-
-    def _check_stop_ids(self, ids: list[int] | None) -> None:
-        bad = [t for t in ids or [] if t >= self.vocab_size]
-        if bad:
-            raise ApiError(400, f"stop token id {bad[0]} is outside the vocabulary "
-                           f"[0, {self.vocab_size})", param="stop_token_ids")
-
-    def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
-                f"{max_tokens} for the completion). Please reduce the length of the {param} or "
-                "the completion.",
-                param=param, code="context_length_exceeded",
-            )
-
-    def _check_length(self, tokens: int, param: str) -> None:
-        if tokens > self.max_model_len:
-            raise ApiError(400, f"This model's maximum context length is {self.max_model_len} "
-                           f"tokens. However, the {param} has {tokens} tokens.", param=param,
-                           code="context_length_exceeded")
-
-    def _check_chars(self, chars: int, param: str) -> None:
-        """Refuse text that cannot fit the context whatever it tokenizes to, before tokenizing:
-        a token stands for at most `max_chars_per_token` characters."""
-        per_token = self.tokenizer.max_chars_per_token
-        if chars > self.max_model_len * per_token:
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you sent {chars:,} characters in the {param}, more than {self.max_model_len} "
-                f"tokens can hold (a token here is at most {per_token} characters). Please "
-                f"reduce the length of the {param}.",
-                param=param, code="context_length_exceeded",
-            )
-
-    def _check_cost(self, prompts: int, n: int, max_tokens: int, top_logprobs: int | None,
-                    logprobs_param: str, rest_of_context: bool = False) -> None:
-        """Refuse a request that asks for more generated tokens, or logprob entries, than one
-        request may: each costs worker time (and KV) or ingress CPU and response bytes."""
-        tokens = prompts * n * max_tokens
-        shape = (f"{prompts} prompts × " if prompts > 1 else "") + f"n={n} × {max_tokens} tokens"
-        if rest_of_context:
-            shape += " (no max_tokens: the rest of the context)"
-        limit = self.limits.max_request_tokens
-        if tokens > limit:
-            raise ApiError(400, f"This request may generate up to {tokens:,} tokens ({shape}); "
-                           f"the limit is {limit:,} per request. Lower max_tokens, n or the "
-                           "number of prompts.", param="max_tokens", code="request_too_costly")
-        if top_logprobs is None:
-            return
-        entries, limit = tokens * (top_logprobs + 1), self.limits.max_request_logprobs
-        if entries > limit:
-            raise ApiError(400, f"This request may return up to {entries:,} logprob entries "
-                           f"({tokens:,} tokens × {top_logprobs + 1}); the limit is {limit:,} "
-                           f"per request. Lower {logprobs_param}, max_tokens or n.",
-                           param=logprobs_param, code="request_too_costly")
 
     async def _check_capacity(self, prompt_len: int, param: str) -> None:
         """Refuse at once a prompt no worker's KV pool can ever hold (the engine would too,
@@ -378,4 +324,5 @@ class OpenAIIngress:
         and under its name in the workers' fair-share queue."""
         tenant = getattr(request.state, "tenant", None)
         return Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
-                          tenant_salt(self.salt_secret, tenant, client_salt), tenant)
+                          tenant_salt(self.salt_secret, tenant, client_salt), tenant,
+                          self.stall_timeout_s, self.worker_health.stalled)

@@ -32,7 +32,7 @@ from prefixserve.cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import ROUTING_POLICIES
-from prefixserve.workers.deployment import worker_deployment
+from prefixserve.workers.deployment import KEEPALIVE_S, worker_deployment
 
 ROUTING_STATS_PERIOD_S = 2.0  # how fresh the index routers' fallback loads are
 
@@ -60,9 +60,11 @@ def build_app(config: ClusterConfig) -> Application:
               logging_config=serve_logging(config))
     if config.workers.max_workers_per_node is not None:
         workers = workers.options(max_replicas_per_node=config.workers.max_workers_per_node)
+    stall_timeout_s = config.ingress.worker_stall_timeout_s
     worker_app = workers.bind(config.model, config.engine, redis_url, model_name,
                               index=config.index, stream_interval=config.workers.stream_interval,
-                              drain_timeout_s=config.graceful_shutdown_timeout_s)
+                              drain_timeout_s=config.graceful_shutdown_timeout_s,
+                              keepalive_s=min(KEEPALIVE_S, stall_timeout_s / 4))
     ingress = OpenAIIngress.options(
         num_replicas=config.ingress.ingress_replicas,
         ray_actor_options={"num_cpus": config.ingress.cpus_per_ingress},
@@ -75,7 +77,8 @@ def build_app(config: ClusterConfig) -> Application:
     return ingress.bind(worker_app, config.model, model_name, config.engine.max_model_len,
                         GuardSettings.of(config.ingress), os.urandom(32),
                         tokenizer=config.ingress.tokenizer,
-                        chat_template=config.ingress.chat_template)
+                        chat_template=config.ingress.chat_template,
+                        worker_stall_timeout_s=stall_timeout_s)
 
 
 def request_router_config(

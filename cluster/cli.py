@@ -15,10 +15,12 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
+import httpx
 from pydantic import ValidationError
 
 from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig, leaves
@@ -28,6 +30,7 @@ from prefixserve.router.routing_policies import ROUTING_POLICIES
 from prefixserve.router.secret_refs import SecretNotFound, is_reference, resolve, url_has_secret
 
 APP_NAME = "prefixserve"
+READY_NOTE_S = 10.0  # the CLI says it is still waiting for /ready after this long
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -180,8 +183,11 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
               f"{config.policy}) ...")
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         host = "127.0.0.1" if config.host in ("0.0.0.0", "::") else config.host
-        print(f"prefixserve: serving the OpenAI API at http://{host}:{config.port}/v1 "
-              f"(model {config.model_name()!r}); Ctrl-C to stop", flush=True)
+        base = f"http://{host}:{config.port}"
+        if not wait_ready(base, stop):
+            return 0
+        print(f"prefixserve: ready: serving the OpenAI API at {base}/v1 (model "
+              f"{config.model_name()!r}); Ctrl-C to stop", flush=True)
         while not stop.wait(0.5):
             pass
         print("prefixserve: shutting down ...", flush=True)
@@ -196,6 +202,23 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
                 serve.delete(APP_NAME)
         finally:
             ray.shutdown()
+
+
+def wait_ready(base_url: str, stop: threading.Event) -> bool:
+    """Wait for the ingress's /ready (every worker answers); False if stopped first."""
+    note_at = time.monotonic() + READY_NOTE_S
+    while not stop.is_set():
+        try:
+            if httpx.get(f"{base_url}/ready", timeout=10).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > note_at:
+            print(f"prefixserve: waiting for every worker to answer ({base_url}/ready) ...",
+                  flush=True)
+            note_at = float("inf")
+        stop.wait(0.5)
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:

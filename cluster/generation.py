@@ -5,8 +5,11 @@ through the prefix-aware router and interleaved as tokens arrive; each choice de
 incrementally and applies the stop strings, so only text that is safe to show comes out. A
 prompt whose worker dies before anything of it reached the client is sent again (Serve routes
 it to a live replica); once the client saw some of it, a dead worker is an error, never a
-silent restart. Closing the stream cancels the worker calls, which aborts the requests in the
-engines and frees their blocks.
+silent restart. A worker that sends nothing, not even a keepalive, for `stall_timeout_s` is
+stalled (a stopped process, a hung driver): the prompt is retried elsewhere as above, or the
+request ends with an error, and the worker is reported (cluster/worker_health.py) so the router
+leaves it out until it answers again. Closing the stream cancels the worker calls, which aborts
+the requests in the engines and frees their blocks.
 """
 
 from __future__ import annotations
@@ -26,11 +29,16 @@ from prefixserve.cluster.responses import Usage
 from prefixserve.cluster.tokenizer import IncrementalDetokenizer, StopChecker, Tokenizer
 from prefixserve.router.request import GenerateRequest, TokenDelta, TokenLogprob
 from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.router.worker_watch import WATCH
 from prefixserve.workers.errors import InvalidRequestError
 
 logger = logging.getLogger("ray.serve")
 
 MAX_WORKER_RETRIES = 2  # re-sends of a prompt whose worker died before the client saw any of it
+
+
+class WorkerStalled(Exception):
+    """A worker sent nothing, not even a keepalive, within the progress deadline."""
 
 
 def to_api_error(exc: BaseException) -> ApiError:
@@ -44,6 +52,8 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, BackPressureError):
         return ApiError(503, "the cluster is overloaded; retry later", "server_error",
                         code="overloaded")
+    if isinstance(exc, WorkerStalled):
+        return ApiError(503, str(exc), "server_error", code="worker_stalled")
     if isinstance(exc, RayActorError | DeploymentUnavailableError):
         return ApiError(503, "a worker became unavailable; retry", "server_error",
                         code="worker_unavailable")
@@ -84,6 +94,8 @@ class Generation:
     stops: list[str]
     cache_salt: str | None
     tenant: str | None = None  # the API key's tenant: the workers queue tenants fairly
+    stall_timeout_s: float | None = None  # a worker silent this long is stalled; None: no limit
+    on_stall: Callable[[str], None] | None = None  # told the replica id of a stalled worker
     choices: list[list[_Choice]] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     served_by: list[set[str]] = field(default_factory=list)  # per prompt: worker replica ids
@@ -119,15 +131,30 @@ class Generation:
     async def deltas(self) -> AsyncIterator[ChoiceDelta]:
         """Text deltas of all choices, interleaved as the workers produce them."""
         merged = merge_streams(self._start, len(self.prompts), self._stop_early,
-                               can_retry=lambda p: p not in self.shown)
-        async with aclosing(merged):
-            async for p, delta in merged:
-                out = self._apply(p, delta)
-                if out is not None and (out.text or out.finish_reason or out.logprobs):
-                    self.shown.add(p)
-                    yield out
+                               can_retry=lambda p: p not in self.shown,
+                               deadline_s=self.stall_timeout_s, on_stall=self._stalled)
+        try:
+            async with aclosing(merged):
+                async for p, delta in merged:
+                    out = self._apply(p, delta)
+                    if out is not None and (out.text or out.finish_reason or out.logprobs):
+                        self.shown.add(p)
+                        yield out
+        finally:
+            for p in range(len(self.prompts)):
+                WATCH.forget(self._call_id(p))
         if not all(self._prompt_done(p) for p in range(len(self.prompts))):
             raise RuntimeError("a worker stream ended before its request finished")
+
+    def _call_id(self, p: int) -> str:
+        return f"{self.request_id}-{p}"
+
+    def _stalled(self, p: int) -> None:
+        replica = WATCH.replica_of(self._call_id(p))
+        logger.warning("worker %s sent nothing for %g s (request %s)", replica,
+                       self.stall_timeout_s, self._call_id(p))
+        if replica is not None and self.on_stall is not None:
+            self.on_stall(replica)
 
     def _start(self, p: int) -> DeploymentResponseGenerator:
         """Prompt `p` on a worker, from a clean state. Called again (a retry) only while none
@@ -140,7 +167,7 @@ class Generation:
         self.served_by[p] = set()
         return self.workers.options(stream=True).generate.remote(
             GenerateRequest(
-                request_id=f"{self.request_id}-{p}", prompt_token_ids=self.prompts[p],
+                request_id=self._call_id(p), prompt_token_ids=self.prompts[p],
                 sampling=self.sampling, cache_salt=self.cache_salt, tenant=self.tenant,
             )
         )
@@ -183,11 +210,16 @@ async def merge_streams(
     stop_early: Callable[[int], bool],
     can_retry: Callable[[int], bool],
     retries: int = MAX_WORKER_RETRIES,
+    deadline_s: float | None = None,
+    on_stall: Callable[[int], None] = lambda i: None,
 ) -> AsyncIterator[tuple[int, TokenDelta]]:
     """Interleave the worker streams ``start(0..count-1)``.
 
     A stream whose worker dies while ``can_retry(i)`` (nothing of it reached the client yet) is
     started again, and Serve routes it to a live replica; otherwise a dead worker is an error.
+    A stream that brings nothing (keepalives count, and are not passed on) for ``deadline_s``
+    is cancelled and ``on_stall(i)`` called; it is then retried the same way, or
+    :class:`WorkerStalled` raised.
     A stream is cancelled once `stop_early(i)` (no more output wanted), and every unfinished
     one when the consumer stops (client gone, error), so the engines abort those requests and
     free their blocks."""
@@ -196,11 +228,25 @@ async def merge_streams(
                                           for i, s in enumerate(streams)}
     exhausted: set[int] = set()
     attempts = [0] * count
+    loop = asyncio.get_running_loop()
+    heard = [loop.time()] * count  # when each stream last brought something
+
+    def restart(i: int, why: str) -> None:
+        attempts[i] += 1
+        logger.warning("%s before output; retry %d of %d", why, attempts[i], retries)
+        streams[i] = start(i)
+        heard[i] = loop.time()
+        pending[asyncio.ensure_future(_next(streams[i]))] = i
+
     try:
         while pending:
-            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            timeout = None if deadline_s is None else \
+                max(0.0, min(heard[i] for i in pending.values()) + deadline_s - loop.time())
+            done, _ = await asyncio.wait(pending, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
             for fut in done:
                 i = pending.pop(fut)
+                heard[i] = loop.time()
                 try:
                     item = fut.result()
                 except StopAsyncIteration:
@@ -209,10 +255,9 @@ async def merge_streams(
                 except RayActorError as exc:
                     if not can_retry(i) or attempts[i] >= retries:
                         raise
-                    attempts[i] += 1
-                    logger.warning("worker died before output (%r); retry %d of %d",
-                                   exc, attempts[i], retries)
-                    streams[i] = start(i)
+                    restart(i, f"worker died ({exc!r})")
+                    continue
+                if item.keepalive:
                     pending[asyncio.ensure_future(_next(streams[i]))] = i
                     continue
                 yield i, item
@@ -221,6 +266,20 @@ async def merge_streams(
                     exhausted.add(i)
                 else:
                     pending[asyncio.ensure_future(_next(streams[i]))] = i
+            if deadline_s is None:
+                continue
+            for fut, i in list(pending.items()):
+                if loop.time() - heard[i] < deadline_s:
+                    continue
+                del pending[fut]
+                fut.cancel()
+                fut.add_done_callback(_retrieve)
+                streams[i].cancel()
+                on_stall(i)
+                if not can_retry(i) or attempts[i] >= retries:
+                    exhausted.add(i)
+                    raise WorkerStalled(f"a worker sent nothing for {deadline_s:g} s; retry")
+                restart(i, f"worker silent for {deadline_s:g} s")
     finally:
         for fut in pending:
             fut.cancel()

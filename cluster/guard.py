@@ -7,7 +7,7 @@ in the call until a streamed response has ended. Per request it
 1. answers 413 when the body is over `max_request_bytes` (at once from `Content-Length`, else
    as soon as the streamed body passes the limit), so a giant body is never buffered whole;
 2. when API keys are configured, answers 401 without a valid `Authorization: Bearer` key
-   (`/health` stays open) and puts the key's tenant in `request.state.tenant`;
+   (`/health` and `/ready` stay open) and puts the key's tenant in `request.state.tenant`;
 3. reads a generation request's whole body before counting it, within `body_read_timeout_s`
    (else 408 and the connection closed): a client that sends headers and then trickles or
    withholds its body holds no slot, so such clients cannot starve the others;
@@ -48,7 +48,7 @@ from prefixserve.cluster.ingress_config import (
     IngressConfig,
 )
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ready"})
 GENERATE_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 RETRY_AFTER_S = 1
 # Serve's proxy stops watching for the client's disconnect when a request carries this as ?1.

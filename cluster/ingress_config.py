@@ -15,6 +15,7 @@ DEFAULT_MAX_REQUEST_TOKENS = 2**18
 DEFAULT_MAX_REQUEST_LOGPROBS = 2**17
 DEFAULT_BODY_READ_TIMEOUT_S = 30.0
 DEFAULT_IDLE_STREAM_TIMEOUT_S = 30.0
+DEFAULT_WORKER_STALL_TIMEOUT_S = 20.0
 API_KEYS_ENV = "PREFIXSERVE_API_KEYS"  # JSON object key -> tenant, or a path to such a file
 API_KEY_ENV = "VLLM_API_KEY"  # one key, as vLLM reads it
 API_KEY_TENANT = "default"  # the tenant `api_key` maps to
@@ -94,6 +95,13 @@ class IngressConfig(BaseModel):
         "aborted, KV blocks freed) and the connection closed. Acts where the HTTP server "
         "pushes back on the app (uvicorn serving it directly); behind Serve's HTTP proxy "
         "writes never wait, and max_request_tokens bounds such a stream")
+    worker_stall_timeout_s: float = Field(
+        DEFAULT_WORKER_STALL_TIMEOUT_S, gt=0.0, description="A worker call that brings nothing "
+        "for this long (workers send a keepalive every quarter of it while a request waits) "
+        "has a stalled worker: a stopped process, a hung driver. A prompt with nothing shown "
+        "yet is retried on another worker, a stream under way ends with an error event and "
+        "[DONE], and the router leaves the worker out until it answers again. Well under "
+        "Serve's health check, which takes ~90 s to replace a replica")
     allow_disconnect_disabled_header: bool = Field(
         False, description="Serve requests that carry Ray Serve's `x-request-disconnect-"
         "disabled: ?1` header. Serve's proxy then keeps such a request running after its "

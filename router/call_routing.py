@@ -4,8 +4,9 @@ A call aimed at one replica (``target_worker=<replica id>``: per-worker ``stats`
 ``cached_block_hashes``, ``reset_prefix_cache``) goes to that replica only, and fails with
 :class:`NoSuchReplica` once none by that id has run for ``target_wait_s`` (Serve itself would
 retry it for ever). A call without a ``GenerateRequest`` goes to any replica. A generate call is
-the policy's to rank; a ranking that raises falls back to a random order, so that a bug there
-never strands a request. Policies built on these helpers fulfil pending calls by identity
+the policy's to rank, among the replicas not marked stalled (:mod:`router.worker_watch`) while
+any such remains; a ranking that raises falls back to a random order, so that a bug there never
+strands a request. Policies built on these helpers fulfil pending calls by identity
 (:class:`router.serve_compat.ServeRequestRouter`), so a chosen replica reaches the very call it
 was chosen for.
 """
@@ -27,6 +28,7 @@ from prefixserve.router.serve_compat import (
     created_at,
     replica_key,
 )
+from prefixserve.router.worker_watch import WATCH
 
 logger = logging.getLogger("ray.serve")
 
@@ -58,6 +60,7 @@ async def route_call(
     request = generate_request(pending)
     if pending is None or request is None:  # not a generate call: any replica
         return [random.sample(candidates, len(candidates))]
+    candidates = WATCH.usable(candidates, replica_key)
     try:
         return await rank(candidates, pending, request)
     except Exception:

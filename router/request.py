@@ -48,3 +48,10 @@ class TokenDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     worker: str  # replica unique id (tests assert routing with it)
+    keepalive: bool = False  # no output: the worker is alive and the request still waits
+
+    @classmethod
+    def alive(cls, worker: str) -> TokenDelta:
+        """What a worker sends while a request makes no progress, so that its caller can tell
+        a busy worker from one that stopped answering."""
+        return cls(0, [], None, False, None, 0, 0, worker, keepalive=True)

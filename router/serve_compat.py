@@ -22,6 +22,9 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from prefixserve.router.request import GenerateRequest
+from prefixserve.router.worker_watch import WATCH
+
 __all__ = [
     "PendingRequest",
     "PowerOfTwoChoicesRequestRouter",
@@ -90,6 +93,21 @@ class ServeRequestRouter(RequestRouter):
         if not pr.future.done():
             pr.future.set_exception(exc)
             self._remove_pending_request_from_indices(pr)
+
+    async def _choose_replica_for_request(self, pending_request: PendingRequest, *,
+                                          is_retry: bool = False) -> RunningReplica:
+        """Serve's choice, noted in the process's :data:`WATCH` before the call is sent (a
+        replica that never answers is known by it too)."""
+        replica = await super()._choose_replica_for_request(pending_request, is_retry=is_retry)
+        for arg in call_arguments(pending_request):
+            if isinstance(arg, GenerateRequest):
+                WATCH.sent(arg.request_id, replica_key(replica))
+        return replica
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's new replica set, noted in :data:`WATCH` too."""
+        super().update_replicas(replicas)
+        WATCH.set_running(replica_key(r) for r in replicas)
 
     def _fulfill_next_pending_request(
         self, replica: RunningReplica, request_metadata: RequestMetadata | None = None

@@ -90,7 +90,8 @@ def request(tokens: list[int], **sampling) -> GenerateRequest:
 
 
 def run(handle, tokens: list[int]) -> list[TokenDelta]:
-    deltas = list(handle.options(stream=True).generate.remote(request(tokens)))
+    deltas = [d for d in handle.options(stream=True).generate.remote(request(tokens))
+              if not d.keepalive]
     assert deltas[-1].finished
     return deltas
 
@@ -243,7 +244,8 @@ def test_another_router_finds_the_holder_through_the_shared_index(handle, redis_
             self.handle = serve.get_deployment_handle("LLMWorker", "routing")
 
         def run(self, req: GenerateRequest) -> tuple[str, int]:
-            deltas = list(self.handle.options(stream=True).generate.remote(req))
+            deltas = [d for d in self.handle.options(stream=True).generate.remote(req)
+                      if not d.keepalive]
             return deltas[-1].worker, deltas[0].num_cached_tokens
 
     other = OtherIngress.remote()
@@ -265,7 +267,7 @@ def test_sibling_calls_of_one_request_are_each_routed(handle) -> None:
             async def one(i: int, tokens: list[int]) -> tuple[str, int]:
                 req = GenerateRequest(f"fan-{i}", tokens, GREEDY)
                 stream = self.workers.options(stream=True).generate.remote(req)
-                deltas = [d async for d in stream]
+                deltas = [d async for d in stream if not d.keepalive]
                 return deltas[-1].worker, deltas[0].num_cached_tokens
 
             return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(prompts))))

@@ -60,7 +60,7 @@ def handle(redis_server: LocalRedis):
 
 def run(handle, tokens: list[int], tag: int) -> list[TokenDelta]:
     request = GenerateRequest(f"mn-{tag}", tokens, GREEDY)
-    deltas = list(handle.options(stream=True).generate.remote(request))
+    deltas = [d for d in handle.options(stream=True).generate.remote(request) if not d.keepalive]
     assert deltas[-1].finished
     return deltas
 

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
@@ -57,6 +58,7 @@ from prefixserve.workers.worker_metrics import WorkerMetrics
 log = logging.getLogger("ray.serve")
 
 STALL_TIMEOUT_S = 60.0  # far above any one step's time, even a long CPU prefill
+KEEPALIVE_S = 2.0  # a silent stream's keepalive period: well under the ingress's deadline
 DEREGISTER_TIMEOUT_S = 2.0
 ABORT_GRACE_S = 1.0  # for aborted streams' consumers to take their final "abort" delta
 
@@ -76,6 +78,7 @@ class LLMWorker:
         index: IndexSettings | dict[str, Any] | None = None,
         heartbeat_interval_s: float = 1.0,
         stall_timeout_s: float = STALL_TIMEOUT_S,
+        keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         """
         Args:
@@ -94,11 +97,13 @@ class LLMWorker:
                 aborting them: the deployment's ``graceful_shutdown_timeout_s``.
             stall_timeout_s: how long one round of engine work may run before the health check
                 fails and Serve restarts the replica.
+            keepalive_s: a stream with no output for this long gets a keepalive delta, so the
+                ingress's progress deadline tells a busy worker from a stopped one.
         """
         if stream_interval < 1:
             raise ValueError("stream_interval must be >= 1")
-        if drain_timeout_s < 0 or stall_timeout_s <= 0:
-            raise ValueError("drain_timeout_s must be >= 0 and stall_timeout_s > 0")
+        if drain_timeout_s < 0 or stall_timeout_s <= 0 or keepalive_s <= 0:
+            raise ValueError("drain_timeout_s must be >= 0, stall_timeout_s and keepalive_s > 0")
         self.replica_id = replica_id()
         self.model_name = model_name
         self._stream_interval = stream_interval
@@ -106,6 +111,7 @@ class LLMWorker:
         self._closed = False
         self._drain_timeout_s = drain_timeout_s
         self._stall_timeout_s = stall_timeout_s
+        self._keepalive_s = keepalive_s
         self._inflight: set[str] = set()  # generate calls whose stream has not ended
         self._drained = asyncio.Event()  # set while nothing is in flight
         self._drained.set()
@@ -179,7 +185,13 @@ class LLMWorker:
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:
             while finished < params.n:
-                steps, error = drain_steps(await stream.queue.get(), stream.queue)
+                try:
+                    first = stream.queue.get_nowait() if not stream.queue.empty() else \
+                        await asyncio.wait_for(stream.queue.get(), self._keepalive_s)
+                except asyncio.TimeoutError:
+                    yield TokenDelta.alive(self.replica_id)
+                    continue
+                steps, error = drain_steps(first, stream.queue)
                 held += steps
                 if (error is None and last is not None and len(held) < self._stream_interval
                         and not any(o.finished for step in held for o in step)):
@@ -217,6 +229,7 @@ class LLMWorker:
         return {
             **asdict(stats),
             "worker": self.replica_id,
+            "pid": os.getpid(),
             "worker_id": self.worker_id,
             "epoch": self.epoch,
             "block_size": self.block_size,
