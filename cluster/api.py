@@ -111,13 +111,15 @@ class OpenAIIngress:
                  max_model_len: int | None, guard: GuardSettings,
                  salt_secret: bytes = b"", tokenizer: str | None = None,
                  chat_template: str | None = None,
-                 worker_stall_timeout_s: float | None = None) -> None:
+                 worker_stall_timeout_s: float | None = None,
+                 control_tokens_in_messages: bool = False) -> None:
         Guard.configure(guard)
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
         self.kv_capacity: int | None = None  # tokens one worker's KV pool holds; asked once
         self.workers = workers
         self.stall_timeout_s = worker_stall_timeout_s
+        self.message_controls = control_tokens_in_messages
         self.worker_health = WorkerHealth(workers, (worker_stall_timeout_s or 0.0) / 4)
         source = model_source(model)
         path = source.tokenizer_path(model)  # resolved on this node: paths differ between nodes
@@ -279,17 +281,19 @@ class OpenAIIngress:
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      template_kwargs: dict[str, Any] | None, add_special_tokens: bool
                      ) -> list[int]:
-        """The conversation's token ids; the rendered text is held to the same length bound
-        as a prompt before it is tokenized (the template adds text per message)."""
+        """The conversation's token ids, control strings in message text kept as text (unless
+        the operator allows them as tokens); the rendered text is held to the same length
+        bound as a prompt before it is tokenized (the template adds text per message)."""
         try:
-            text = self.tokenizer.render_chat(messages, add_generation_prompt, template_kwargs)
+            pieces = self.tokenizer.render_chat_pieces(
+                messages, add_generation_prompt, template_kwargs, not self.message_controls)
         except TemplateKwargsError as exc:
             raise ApiError(400, str(exc), param="chat_template_kwargs") from None
         except TokenizerError as exc:
             raise ApiError(400, str(exc), param="messages") from None
-        self.bounds.chars(len(text), "messages")
+        self.bounds.chars(sum(len(text) for text, _ in pieces), "messages")
         # The template writes BOS itself when the model wants it (as transformers does).
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode_pieces(pieces, add_special_tokens)
 
     async def _run(self, heavy: bool, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`: on the thread pool when heavy, so the event loop keeps serving; else

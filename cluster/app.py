@@ -78,7 +78,8 @@ def build_app(config: ClusterConfig) -> Application:
                         GuardSettings.of(config.ingress), os.urandom(32),
                         tokenizer=config.ingress.tokenizer,
                         chat_template=config.ingress.chat_template,
-                        worker_stall_timeout_s=stall_timeout_s)
+                        worker_stall_timeout_s=stall_timeout_s,
+                        control_tokens_in_messages=config.ingress.control_tokens_in_messages)
 
 
 def request_router_config(

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from prefixserve.cluster.tokenizer import TokenizerError, compile_chat_template
+from prefixserve.cluster.chat_template import TokenizerError, compile_chat_template
 
 DEFAULT_MAX_REQUEST_TOKENS = 2**18
 DEFAULT_MAX_REQUEST_LOGPROBS = 2**17
@@ -102,6 +102,11 @@ class IngressConfig(BaseModel):
         "yet is retried on another worker, a stream under way ends with an error event and "
         "[DONE], and the router leaves the worker out until it answers again. Well under "
         "Serve's health check, which takes ~90 s to replace a replica")
+    control_tokens_in_messages: bool = Field(
+        False, description="Tokenize a chat template's control strings written inside message "
+        "text (`<|im_start|>`, `<|eot_id|>`, ...) as the control tokens, as transformers and "
+        "vLLM do; any client can then forge a system or assistant turn. Default: they stay "
+        "plain text, and every other token is as transformers gives it")
     allow_disconnect_disabled_header: bool = Field(
         False, description="Serve requests that carry Ray Serve's `x-request-disconnect-"
         "disabled: ?1` header. Serve's proxy then keeps such a request running after its "

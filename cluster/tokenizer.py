@@ -1,7 +1,16 @@
 """Text ↔ tokens at the ingress: the checkpoint's `tokenizer.json`, its chat template, and the
 incremental detokenizing and stop-string logic that streaming needs.
 
-Workers are token-in / token-out; everything textual lives here. Two subtleties:
+Workers are token-in / token-out; everything textual lives here. Three subtleties:
+
+* A chat template marks turns with control tokens (`<|im_start|>`, `<|eot_id|>`). Tokenizing
+  the rendered text as one string would turn a control string written *inside a message* into
+  that token too, so a user could forge a system or assistant turn (transformers and vLLM do
+  so). `encode_chat` keeps such strings text: the rendered text is tokenized as usual except at
+  the control strings that came from message text, where the plain text's tokens go instead.
+  The tokenizer splits text at control strings anyway, so every other token is what tokenizing
+  the whole text gives, and a conversation whose messages hold no control string is tokenized
+  exactly as transformers' `apply_chat_template(tokenize=True)` does.
 
 * A byte-level tokenizer may emit a multi-byte UTF-8 character across several tokens. Decoding
   the tokens so far then ends in U+FFFD; `IncrementalDetokenizer` holds such text back until the
@@ -15,21 +24,16 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from jinja2 import Template, nodes
-from jinja2.exceptions import SecurityError, TemplateSyntaxError
-from jinja2.ext import Extension, loopcontrols
-from jinja2.parser import Parser
-from jinja2.runtime import Macro
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from jinja2.utils import Namespace
+from tokenizers import Encoding
 from tokenizers import Tokenizer as HFTokenizer
 
+from prefixserve.cluster.chat_template import TemplateRaised, TokenizerError, compile_chat_template
 from prefixserve.workers.byte_level import bytes_to_unicode
 
 # ChatML, used when the checkpoint ships no chat template.
@@ -49,10 +53,6 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 # Variables the renderer sets itself; `chat_template_kwargs` may not replace them.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
-
-
-class TokenizerError(ValueError):
-    """The checkpoint's tokenizer files are missing or unusable, or a template failed."""
 
 
 class TemplateKwargsError(TokenizerError):
@@ -117,9 +117,14 @@ class Tokenizer:
         decoders = _decoder_types(spec.get("decoder"))
         self._byte_level = "ByteLevel" in decoders
         self._byte_fallback = "ByteFallback" in decoders
-        self._added = {
-            i: t.content for i, t in self._tok.get_added_tokens_decoder().items()
-        }
+        added = self._tok.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        # The control strings (special tokens' text), longest first so that a match takes the
+        # longest; and a twin of the tokenizer that reads them as plain text.
+        self.control_strings = tuple(sorted({t.content for t in added.values() if t.special},
+                                            key=len, reverse=True))
+        self._as_text = HFTokenizer.from_str(self._tok.to_str())
+        self._as_text.encode_special_tokens = True
         # Characters of text one token can stand for, at most: the longest vocabulary entry
         # (a byte-level piece has a character per byte, SentencePiece's "▁" is the space),
         # four times over when a normalizer may compose up to four code points into one
@@ -169,11 +174,59 @@ class Tokenizer:
         except Exception as exc:  # a broken template must be a clear error, not a 500
             raise TokenizerError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
+    def render_chat_pieces(self, messages: list[dict[str, Any]],
+                           add_generation_prompt: bool = True,
+                           template_kwargs: dict[str, Any] | None = None,
+                           controls_as_text: bool = True) -> list[tuple[str, bool]]:
+        """The rendered conversation as (text, literal) pieces; a literal piece is a control
+        string from a message's text (content or name), to be tokenized as plain text. One
+        piece when no message holds a control string, or with ``controls_as_text=False``."""
+        controls = self.control_strings
+        user_text = [v for m in messages for k in ("content", "name")
+                     if isinstance(v := m.get(k), str)]
+        if not controls_as_text or not any(c in v for v in user_text for c in controls):
+            return [(self.render_chat(messages, add_generation_prompt, template_kwargs), False)]
+        # Each control string in message text becomes a marker no text holds, rendered, then
+        # split on: the template may move message text about, the markers go with it.
+        mark = f"\U000f0000{secrets.token_hex(8)}"
+        found = re.compile("|".join(map(re.escape, controls)))
+        index = {c: i for i, c in enumerate(controls)}
+
+        def marked(text: Any) -> Any:
+            if not isinstance(text, str):
+                return text
+            return found.sub(lambda m: f"{mark}{index[m.group()]}\U000f0001", text)
+
+        rendered = self.render_chat(
+            [{**m, "content": marked(m.get("content")), "name": marked(m.get("name"))}
+             for m in messages], add_generation_prompt, template_kwargs)
+        parts = re.split(f"{re.escape(mark)}(\\d+)\U000f0001", rendered)
+        pieces = [(parts[0], False)]
+        for i in range(1, len(parts), 2):
+            pieces += [(controls[int(parts[i])], True), (parts[i + 1], False)]
+        return [p for p in pieces if p[0]]
+
+    def encode_pieces(self, pieces: list[tuple[str, bool]], add_special_tokens: bool = False
+                      ) -> list[int]:
+        """Token ids of text pieces (as `render_chat_pieces` gives), literal ones as plain
+        text; with ``add_special_tokens`` the post-processor's (BOS) around the whole."""
+        if len(pieces) == 1 and not pieces[0][1]:
+            return self.encode(pieces[0][0], add_special_tokens)
+        encodings = [(self._as_text if literal else self._tok).encode(
+            text, add_special_tokens=False) for text, literal in pieces]
+        merged = Encoding.merge(encodings)
+        if add_special_tokens:
+            merged = self._tok.post_process(merged)
+        return merged.ids
+
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        # The template writes BOS itself when the model wants it (as transformers does).
-        return self.encode(self.render_chat(messages, add_generation_prompt, template_kwargs),
-                           False)
+                    template_kwargs: dict[str, Any] | None = None,
+                    controls_as_text: bool = True) -> list[int]:
+        """A conversation's token ids: control strings in message text stay text (unless
+        ``controls_as_text=False``, transformers' and vLLM's behaviour). The template writes
+        BOS itself when the model wants it (as transformers does)."""
+        return self.encode_pieces(self.render_chat_pieces(
+            messages, add_generation_prompt, template_kwargs, controls_as_text))
 
     def token_piece(self, token_id: int) -> str:
         """A token's vocabulary entry as stored (e.g. "Ġhello"), as vLLM's /tokenize shows it."""
@@ -202,90 +255,6 @@ class Tokenizer:
         """A detokenizer for output that follows `prompt_ids` (whose text is not emitted)."""
         tail = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         return IncrementalDetokenizer(self, tail, prefix_offset=0, read_offset=len(tail))
-
-
-class TemplateRaised(Exception):
-    """`raise_exception(...)` called from a chat template (e.g. roles out of order)."""
-
-
-def _raise_exception(message: str) -> None:
-    raise TemplateRaised(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' `tojson`: JSON without Jinja's HTML escaping, with json.dumps' options."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-class _GenerationBlocks(Extension):
-    """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's text with it
-    (for training masks); rendering a prompt just renders its body."""
-
-    tags: ClassVar[set[str]] = {"generation"}
-
-    def parse(self, parser: Parser) -> nodes.CallBlock:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
-
-    @staticmethod
-    def _body(caller: Macro) -> str:
-        return caller()
-
-
-class _TemplateDict:
-    """`dict(...)` in a template, without the class's attributes (as transformers has it)."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(Namespace):
-    """`namespace(...)` refusing underscore attributes, which could reach CPython internals."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # Jinja's signature: `self` may be a key
-        self, attrs = args[0], dict(*args[1:], **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)  # instance attributes are the namespace's keys
-        Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise SecurityError(f"chat templates may not set {name!r} on a namespace")
-
-
-def _jinja_env() -> ImmutableSandboxedEnvironment:
-    """The environment transformers renders chat templates in (sandboxed: templates are data):
-    same options, extensions, filters and globals, so a template renders byte for byte alike."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlocks, loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-_ENV = _jinja_env()
-
-
-def compile_chat_template(source: str) -> Template:
-    """A chat template, compiled; a syntax error is a TokenizerError naming its line."""
-    try:
-        return _ENV.from_string(source)
-    except TemplateSyntaxError as exc:
-        raise TokenizerError(f"chat template line {exc.lineno}: {exc.message}") from None
 
 
 @dataclass
