@@ -28,7 +28,7 @@ from functools import partial
 from importlib import metadata
 from typing import Any, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
@@ -140,11 +140,13 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @app.get("/ready")
-    async def ready(self) -> JSONResponse:
+    async def ready(self, min_workers: int | None = Query(None, ge=1)) -> JSONResponse:
         """Readiness, where /health is liveness: 200 once every worker Serve routes to answers
-        and none is stalled, else 503; the body gives each worker's state."""
+        and none is stalled (with `min_workers`: once that many do), else 503; the body gives
+        each worker's state."""
         states = await self.worker_health.readiness(READY_TIMEOUT_S)
-        ok = bool(states) and all(s == "ready" for s in states.values())
+        serving = sum(s == "ready" for s in states.values())
+        ok = serving >= (min_workers or max(len(states), 1))
         return JSONResponse({"status": "ready" if ok else "not_ready", "workers": states},
                             status_code=200 if ok else 503)
 

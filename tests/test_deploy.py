@@ -8,6 +8,7 @@ down to CPU by overriding only what a GPU-less machine cannot honour.
 from __future__ import annotations
 
 import copy
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +204,21 @@ def test_serve_config_routes_by_prefix(deployed: str) -> None:
         (first, _), (second, cached) = served
         assert second == first
         assert cached >= 256
+
+
+@pytest.mark.cluster
+def test_worker_pods_readiness_probe_asks_the_application(deployed: str) -> None:
+    """The RayService's worker readiness probe, run as written (this node's raylet check left
+    out): it passes against the running application, and fails where nothing serves."""
+    (group,) = load(RAYSERVICE)["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    (container,) = group["template"]["spec"]["containers"]
+    shell, flag, command = container["readinessProbe"]["exec"]["command"]
+    app_check = command.split(" && ", 1)[1]
+    assert "/ready?min_workers=1" in app_check
+    port = httpx.URL(deployed).port
+    here = app_check.replace("localhost:8000", f"127.0.0.1:{port}")
+    assert subprocess.run([shell, flag, here], timeout=30).returncode == 0
+    nowhere = app_check.replace("localhost:8000", f"127.0.0.1:{free_port()}")
+    assert subprocess.run([shell, flag, nowhere], timeout=30).returncode != 0
+    ready = httpx.get(f"{deployed}/ready", timeout=30)
+    assert ready.status_code == 200 and set(ready.json()["workers"].values()) == {"ready"}

@@ -97,6 +97,10 @@ def test_a_stopped_worker_releases_its_streams_and_is_routed_around(base_url: st
                 r = complete(base_url, f"{PROMPT} {i}")
                 assert (r.status_code, r.headers[WORKER_HEADER]) == (200, other)
             assert readiness(base_url) == (503, {stalled: "stalled", other: "ready"})
+            some = httpx.get(f"{base_url}/ready", params={"min_workers": 1}, timeout=30)
+            assert some.status_code == 200  # what a pod's readiness probe asks: can it serve
+            bad = httpx.get(f"{base_url}/ready", params={"min_workers": 0}, timeout=30)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] is None
             assert httpx.get(f"{base_url}/health").status_code == 200  # alive all the same
         finally:
             os.kill(pids[stalled], signal.SIGCONT)
