@@ -139,7 +139,8 @@ class OpenAIIngress:
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.get("/ready", responses={503: {"description": "not every worker (with min_workers: "
+                                                      "fewer than that many) can serve"}})
     async def ready(self, min_workers: int | None = Query(None, ge=1)) -> JSONResponse:
         """Readiness, where /health is liveness: 200 once every worker Serve routes to answers
         and none is stalled (with `min_workers`: once that many do), else 503; the body gives

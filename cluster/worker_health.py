@@ -64,7 +64,7 @@ class WorkerHealth:
 
     async def _probe(self, replica: str) -> None:
         try:
-            while True:
+            while replica in self.watch.running():  # else Serve replaced it: nothing to wait for
                 call = self.workers.stats.remote(target_worker=replica)
                 try:
                     await asyncio.wait_for(call, self.interval_s)
@@ -73,8 +73,8 @@ class WorkerHealth:
                     continue
                 except Exception as exc:  # an answer all the same (or the replica is gone)
                     logger.info("probe of worker %s: %r", replica, exc)
+                logger.warning("worker %s answers again", replica)
                 break
-            logger.warning("worker %s answers again", replica)
         finally:
             self.watch.answered(replica)
             self._probes.pop(replica, None)
