@@ -15,14 +15,17 @@ from prefixserve.router.worker_watch import WATCH, WorkerWatch
 
 def test_sent_calls_are_remembered_boundedly_and_forgotten() -> None:
     watch = WorkerWatch(max_sent=2)
+    assert watch.running() == frozenset() and watch.stalled() == frozenset()
     watch.sent("r1", "a")
-    watch.sent("r1", "b")  # a retry's record replaces the first
-    assert watch.replica_of("r1") == "b"
     watch.sent("r2", "a")
+    assert (watch.replica_of("r1"), watch.replica_of("r2")) == ("a", "a")  # two fit
+    watch.sent("r1", "b")  # a retry's record replaces the first, and is the newest now
     watch.sent("r3", "a")
-    assert watch.replica_of("r1") is None  # the oldest aged out
-    watch.forget("r2")
-    assert (watch.replica_of("r2"), watch.replica_of("r3")) == (None, "a")
+    assert watch.replica_of("r2") is None  # the oldest aged out
+    assert (watch.replica_of("r1"), watch.replica_of("r3")) == ("b", "a")
+    watch.forget("r3")
+    watch.forget("never sent")  # the ingress forgets every call, sent or not
+    assert (watch.replica_of("r3"), watch.replica_of("r1")) == (None, "b")
 
 
 def test_stalled_replicas_are_left_out_unless_none_would_remain() -> None:
