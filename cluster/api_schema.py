@@ -11,7 +11,6 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ValidationError
 
 from prefixserve.cluster.errors import ApiError
-from prefixserve.cluster.protocol import format_validation_error
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -45,3 +44,18 @@ def openapi_schema(api: FastAPI) -> dict[str, Any]:
                 components.update(op.pop("x-defs", {}))
         api.openapi_schema = schema
     return api.openapi_schema
+
+
+def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """A one-line message and the offending parameter, from pydantic's error list."""
+    parts: list[str] = []
+    param: str | None = None
+    for err in exc.errors(include_url=False)[:3]:
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            return f"request body is not valid JSON: {msg}", None
+        if param is None and loc:
+            param = loc
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts), param

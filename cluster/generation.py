@@ -48,7 +48,7 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, RayTaskError) and exc.cause is not None:
         exc = exc.cause
     if isinstance(exc, InvalidRequestError):
-        return ApiError(400, str(exc))
+        return ApiError(400, str(exc), param=exc.param)
     if isinstance(exc, BackPressureError):
         return ApiError(503, "the cluster is overloaded; retry later", "server_error",
                         code="overloaded")

@@ -3,12 +3,18 @@
 Requests are validated strictly (no string-to-number coercion, NaN/inf rejected, bounded lists)
 so bad input becomes a clear 400 instead of a surprise deep in the engine. Unknown fields are
 ignored: the official `openai` client and other SDKs send fields we do not act on. Fields that
-would silently change the answer if ignored (`echo`, `suffix`, `best_of`, `response_format`,
-tools) are rejected when set to anything but their neutral value.
+would silently change the answer if ignored (`echo`, `suffix`, `best_of`, tools) are rejected
+when set to anything but their neutral value.
+
+A structured output is asked for as OpenAI does (`response_format` of type `json_object` or
+`json_schema`), as vLLM does (`structured_outputs`: `json`, `regex`, `choice` or `grammar`), or
+with vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; at most one
+per request. The worker compiles it (a constraint that does not compile is a 400 there).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import (
@@ -27,7 +33,9 @@ from prefixserve.router.sampling_params import (
     MAX_N,
     MAX_PENALTY,
     MAX_SEED,
+    MAX_STRUCTURED_CHARS,
     SamplingParams,
+    StructuredOutput,
 )
 
 # The sampling settings' bounds are the request protocol's (router/sampling_params.py): the
@@ -47,6 +55,36 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+Constraint = str | dict[str, Any]  # a JSON schema as an object, or any constraint's text
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: Constraint | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    grammar: str | None = None
+    structural_tag: Any = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if self.structural_tag is not None:
+            raise ValueError("structural_tag is not supported")
+        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of json, regex, choice, grammar")
+        return self
+
+
+def _spec(value: Constraint | list[str], field: str) -> str:
+    """A constraint's text, bounded: objects and lists as JSON."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise ValueError(f"{field} is longer than {MAX_STRUCTURED_CHARS} characters")
+    return text
 
 
 class _SamplingRequest(_Request):
@@ -72,6 +110,11 @@ class _SamplingRequest(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # vLLM extension; 0: off
     min_tokens: int = Field(0, ge=0)  # vLLM extension: EOS and stop tokens held back until then
     response_format: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM extension
+    guided_json: Constraint | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
+    guided_grammar: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -110,11 +153,48 @@ class _SamplingRequest(_Request):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError(f"only {{'type': 'text'}} is supported, got type "
-                             f"{value.get('type')!r}")
+    def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        kind = None if value is None else value.get("type")
+        if value is None or kind in ("text", "json_object"):
+            return value
+        if kind != "json_schema":
+            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
+            raise ValueError("json_schema must be an object whose `schema` is a JSON schema")
         return value
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> _SamplingRequest:
+        self.structured_output()  # at most one, each within its bound
+        return self
+
+    def structured_output(self) -> StructuredOutput | None:
+        """The request's constraint, if any (raises ValueError for two, or one too long)."""
+        found: list[StructuredOutput] = []
+        fmt = self.response_format or {}
+        if fmt.get("type") == "json_object":
+            found.append(StructuredOutput("json", "", "response_format"))
+        elif fmt.get("type") == "json_schema":
+            schema = fmt["json_schema"].get("schema", {})
+            found.append(StructuredOutput("json", _spec(schema, "response_format"),
+                                          "response_format"))
+        so = self.structured_outputs
+        if so is not None:
+            kind, name = next((k, n) for k, n in (("json", "json_"), ("regex", "regex"),
+                                                  ("choice", "choice"), ("grammar", "grammar"))
+                              if getattr(so, n) is not None)
+            found.append(StructuredOutput(kind, _spec(getattr(so, name), "structured_outputs"),
+                                          f"structured_outputs.{kind}"))
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                found.append(StructuredOutput(kind, _spec(value, f"guided_{kind}"),
+                                              f"guided_{kind}"))
+        if len(found) > 1:
+            raise ValueError(f"give one structured output, not {len(found)} "
+                             f"({', '.join(f.field for f in found)})")
+        return found[0] if found else None
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> _SamplingRequest:
@@ -166,6 +246,7 @@ class _SamplingRequest(_Request):
             fields["min_tokens"] = self.min_tokens
         if self.logit_bias:
             fields["logit_bias"] = self.logit_bias_ids
+        fields["structured"] = self.structured_output()
         return SamplingParams(**fields)
 
 
@@ -304,21 +385,3 @@ class ChatCompletionRequest(_SamplingRequest):
     def num_logprobs(self) -> int | None:
         """`SamplingParams.logprobs`: None when off, else the number of alternatives."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-
-def format_validation_error(exc: ValidationError) -> tuple[str, str | None]:
-    """A one-line message and the offending parameter, from pydantic's error list."""
-    parts: list[str] = []
-    param: str | None = None
-    for err in exc.errors(include_url=False)[:3]:
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "json_invalid":
-            return f"request body is not valid JSON: {msg}", None
-        if param is None and loc:
-            param = loc
-        parts.append(f"{loc}: {msg}" if loc else msg)
-    return "; ".join(parts), param
-
-
-# ---- responses ----------------------------------------------------------------------------

@@ -20,6 +20,19 @@ MAX_SEED = 2**63 - 1  # cluster/protocol.py accepts the same range; seed + index
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's bound)
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
+# What a structured output constrains to: a JSON schema ("" for any JSON object), a regular
+# expression, one of a JSON list of strings, or an EBNF grammar (xgrammar's dialect, as vLLM's).
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+MAX_STRUCTURED_CHARS = 65536  # a constraint's text; compiling it costs the worker
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text, compiled to a grammar by the worker."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    spec: str  # the schema (JSON text), regex, choices (a JSON list) or grammar
+    field: str = "structured_outputs"  # the request field it came from, for error messages
 
 
 @dataclass
@@ -39,6 +52,7 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]; 0 => off
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many were generated
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    structured: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
@@ -100,3 +114,10 @@ class SamplingParams:
         )):
             fail("logit_bias", f"must map token ids to biases in [-{MAX_LOGIT_BIAS}, "
                  f"{MAX_LOGIT_BIAS}]")
+        so = self.structured
+        if so is not None and not (
+            isinstance(so, StructuredOutput) and so.kind in STRUCTURED_KINDS
+            and isinstance(so.spec, str) and len(so.spec) <= MAX_STRUCTURED_CHARS
+        ):
+            fail("structured", f"must be a StructuredOutput of a kind in {STRUCTURED_KINDS} "
+                 f"with at most {MAX_STRUCTURED_CHARS} characters")

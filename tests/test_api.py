@@ -6,6 +6,7 @@ One module-scoped cluster (ingress + 2 CPU workers with fractional CPUs) serves 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Iterator
 
@@ -266,8 +267,12 @@ def test_openai_client(base_url: str) -> None:
         ("/v1/completions", {"prompt": "x", "repetition_penalty": -1}, 400,
          "repetition_penalty"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
-        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}}, 400,
-         "response_format"),
+        ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema",
+         "json_schema": {"schema": {"type": "nonsense"}}}}, 400, "response_format"),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "(unclosed"}, 400, "guided_regex"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "structured_outputs": {"grammar": "root ::= nothing"}}, 400,
+         "structured_outputs.grammar"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "min_p": 2}, 400, "min_p"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -283,6 +288,42 @@ def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str,
     assert error["message"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "mood": {"enum": ["calm", "busy"]}, "count": {"type": "integer", "minimum": 0, "maximum": 9},
+    "ok": {"type": "boolean"}}, "required": ["mood", "count", "ok"], "additionalProperties": False}
+
+
+@pytest.mark.cluster
+def test_structured_outputs_constrain_the_text(base_url: str) -> None:
+    """Each way of asking, on both endpoints, streamed and not: the random-weight model's text
+    fits the constraint, and a stream reassembles to the same answer."""
+    user = [{"role": "user", "content": "Report."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "r", "schema": STRUCTURED_SCHEMA,
+                                                  "strict": True}}
+    body = {"messages": user, "response_format": fmt, "max_tokens": 60, "temperature": 0}
+    r = post(base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    answer = json.loads(choice["message"]["content"])
+    assert set(answer) == {"mood", "count", "ok"} and answer["mood"] in ("calm", "busy")
+    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json=body | {"stream": True},
+                      timeout=60) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert streamed == choice["message"]["content"]
+    choices = ["north", "south", "east west"]
+    for extra in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        r = post(base_url, "/v1/completions",
+                 {"prompt": "Go", "max_tokens": 8, "n": 2, "seed": 1} | extra)
+        assert r.status_code == 200, r.text
+        assert all(c["text"] in choices for c in r.json()["choices"])
+    r = post(base_url, "/v1/completions", {"prompt": "Id", "max_tokens": 12, "temperature": 0,
+                                           "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{4}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{4}", r.json()["choices"][0]["text"]), r.text
 
 
 @pytest.mark.cluster

@@ -7,11 +7,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from prefixserve.cluster.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    format_validation_error,
-)
+from prefixserve.cluster.api_schema import format_validation_error
+from prefixserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from prefixserve.cluster.responses import ErrorResponse, Usage
 from prefixserve.router.sampling_params import SamplingParams
 
@@ -64,8 +61,15 @@ def test_completion_prompt_forms() -> None:
         ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias", "keys must be token ids"),
         ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
          "at most 1024"),
-        ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format",
-         "only {'type': 'text'}"),
+        ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format",
+         "type must be text, json_object or json_schema"),
+        ({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, None,
+         "give one structured output, not 2 (guided_regex, guided_choice)"),
+        ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+         "structured_outputs", "exactly one of json, regex, choice, grammar"),
+        ({"prompt": "x", "structured_outputs": {"structural_tag": {}}}, "structured_outputs",
+         "structural_tag is not supported"),
+        ({"prompt": "x", "guided_grammar": "x" * 70000}, None, "longer than 65536"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 2}, None, "best_of is not supported"),
         ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
@@ -162,8 +166,8 @@ def test_chat_messages() -> None:
           "tool_choice": {"type": "function", "function": {"name": "f"}}},
          "tool_choice", "tools are not supported"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "response_format": {"type": "json_schema", "json_schema": {}}},
-         "response_format", "only {'type': 'text'}"),
+          "response_format": {"type": "json_schema", "json_schema": "nope"}},
+         "response_format", "json_schema must be an object"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "min_tokens": 4},
          None, "min_tokens (4) must not exceed"),
         ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": -100.5}},

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from pydantic import BaseModel, Field
 from servekit import serve_app
 
 from prefixserve.cluster.config import ClusterConfig
@@ -55,3 +56,21 @@ def test_a_real_answer_then_a_prefix_hit_on_the_same_worker(client: openai.OpenA
     assert "Rome" in answer2
     assert cached2 >= 32
     assert worker2 == worker
+
+
+class City(BaseModel):
+    name: str = Field(max_length=40)
+    country: str = Field(max_length=40)
+    is_capital: bool
+
+
+def test_the_openai_client_parses_a_structured_answer(client: openai.OpenAI) -> None:
+    """`client.chat.completions.parse(response_format=Model)`: a json_schema response format
+    the worker compiles to a grammar; the answer is a valid instance."""
+    chat = client.chat.completions.parse(
+        model=DEFAULT_MODEL, temperature=0, max_tokens=80, response_format=City,
+        messages=[{"role": "user", "content": "Describe the city of Paris as JSON."}])
+    city = chat.choices[0].message.parsed
+    assert isinstance(city, City), chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    assert city.name == "Paris"

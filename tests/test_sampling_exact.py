@@ -12,7 +12,10 @@ from prefixserve.router.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_SEED,
+    MAX_STRUCTURED_CHARS,
+    STRUCTURED_KINDS,
     SamplingParams,
+    StructuredOutput,
 )
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.logits_processors import TokenHistory
@@ -40,6 +43,10 @@ INF = float("inf")
         ("min_tokens", -1, "min_tokens must be an integer in [0, max_tokens], got -1"),
         ("logit_bias", {1: 101.0},
          "logit_bias must map token ids to biases in [-100.0, 100.0], got {1: 101.0}"),
+        ("structured", StructuredOutput("yaml", "x"),
+         "structured must be a StructuredOutput of a kind in ('json', 'regex', 'choice', "
+         "'grammar') with at most 65536 characters, got StructuredOutput(kind='yaml', "
+         "spec='x', field='structured_outputs')"),
     ],
 )
 def test_validate_message_names_field_rule_and_value(field: str, value: object, message: str):
@@ -84,6 +91,10 @@ def test_validate_message_names_field_rule_and_value(field: str, value: object, 
         ("logit_bias", {"1": 1.0}),
         ("logit_bias", {1: True}),
         ("logit_bias", [(1, 1.0)]),
+        ("structured", {"kind": "json", "spec": ""}),
+        ("structured", StructuredOutput("yaml", "")),
+        ("structured", StructuredOutput("json", b"{}")),
+        ("structured", StructuredOutput("regex", "a" * (MAX_STRUCTURED_CHARS + 1))),
     ],
 )
 def test_validate_rejects_bools_strings_and_just_out_of_range(field: str, value: object):
@@ -115,6 +126,9 @@ def test_validate_rejects_bools_strings_and_just_out_of_range(field: str, value:
         {"min_tokens": 16, "max_tokens": 16},
         {"logit_bias": {}},
         {"logit_bias": {0: 100.0, 7: -100, 9: 0.5}},
+        {"structured": None},
+        {"structured": StructuredOutput("grammar", "a" * MAX_STRUCTURED_CHARS)},
+        *({"structured": StructuredOutput(kind, "")} for kind in STRUCTURED_KINDS),
     ],
 )
 def test_validate_accepts_the_bounds(fields: dict[str, object]):

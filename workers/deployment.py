@@ -48,11 +48,19 @@ from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.router.secret_refs import resolve
 from prefixserve.workers.engine import LLMEngine
-from prefixserve.workers.engine_loop import EngineLoop, OutputStream, drain_steps, to_deltas
+from prefixserve.workers.engine_loop import (
+    NOTHING,
+    EngineLoop,
+    OutputStream,
+    drain_steps,
+    next_within,
+    to_deltas,
+)
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.model_sources import model_source
 from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
+from prefixserve.workers.structured import compile_in_thread
 from prefixserve.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("ray.serve")
@@ -171,6 +179,8 @@ class LLMWorker:
         self._require_loop()
         if self._closed:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")
+        grammar = None if params.structured is None else await compile_in_thread(
+            getattr(self.engine, "compile", None), params)  # on a thread, not the engine loop
         request_id = f"{request.request_id}#{next(self._ids)}"
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         timing = self._metrics.request(time.perf_counter(), params.n)
@@ -180,15 +190,13 @@ class LLMWorker:
         self._drained.clear()
         self._loop_thread.add(
             request_id, request.prompt_token_ids, params, request.cache_salt, stream,
-            request.tenant,
+            request.tenant, grammar,
         )
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:
             while finished < params.n:
-                try:
-                    first = stream.queue.get_nowait() if not stream.queue.empty() else \
-                        await asyncio.wait_for(stream.queue.get(), self._keepalive_s)
-                except asyncio.TimeoutError:
+                first = await next_within(stream.queue, self._keepalive_s)
+                if first is NOTHING:
                     yield TokenDelta.alive(self.replica_id)
                     continue
                 steps, error = drain_steps(first, stream.queue)

@@ -12,13 +12,14 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from prefixserve.router.events import KVEvent
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import checkpoint_fingerprint
-from prefixserve.workers.engine_core import EngineCore, check_max_model_len
+from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max_model_len
 from prefixserve.workers.engine_types import (
     EngineConfig,
     GenerateOutput,
@@ -39,6 +40,7 @@ from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.models.loader import load_model, resolve_device
 from prefixserve.workers.sampling import Sampler, make_generator
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
+from prefixserve.workers.structured import GrammarCompiler, accept, mask_logits, new_matcher
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class LLMEngine(EngineCore):
         config: EngineConfig,
         model_fingerprint: str,
         on_kv_events: Callable[[list[KVEvent]], None] | None = None,
+        tokenizer_path: Path | None = None,
     ) -> None:
         mc = model.config
         check_max_model_len(config.max_model_len, mc.max_model_len)
@@ -67,6 +70,9 @@ class LLMEngine(EngineCore):
         self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size)
         self.sampler = Sampler()
+        # structured outputs need the vocabulary's text: the checkpoint's tokenizer
+        self.grammars = None if tokenizer_path is None else GrammarCompiler(
+            tokenizer_path, mc.vocab_size, mc.eos_token_ids)
         log_kv_budget(mc, self.dtype, per_token, num_blocks, config.block_size)
 
     @classmethod
@@ -82,11 +88,15 @@ class LLMEngine(EngineCore):
             keep_cpu_heap()
         model = load_model(path, config.dtype_for(device.type), device)
         fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
-        return cls(model, config, fingerprint, on_kv_events)
+        tokenizer = Path(path) if (Path(path) / "tokenizer.json").is_file() else None
+        return cls(model, config, fingerprint, on_kv_events, tokenizer)
 
-    def _init_seq(self, seq: Sequence) -> None:
-        """Each sample draws from its own generator (seeded per sample index)."""
+    def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
+        """Each sample draws from its own generator (seeded per sample index) and follows its
+        own grammar matcher when constrained."""
         seq.extra["gen"] = make_generator(seq.params, seq.index, self.kv_cache.device)
+        if req.grammar is not None:
+            seq.extra["matcher"] = new_matcher(req.grammar)
 
     # ----------------------------------------------------------------- the step
 
@@ -115,7 +125,13 @@ class LLMEngine(EngineCore):
         histories = None
         if any(needs_history(p) for p in params):
             histories = [self._history(s) if needs_history(s.params) else None for s in targets]
+        matchers = [s.extra.get("matcher") for s in targets]
+        constrained = any(m is not None for m in matchers)
+        if constrained:  # on the raw logits, before any processor (vLLM's order)
+            mask_logits(logits, matchers)
         token_ids, logprobs = self.sampler.sample(logits, params, gens, histories)
+        if constrained:
+            accept(matchers, token_ids)
         self._append_tokens(zip(targets, token_ids, logprobs, strict=True), outputs)
 
     def _history(self, seq: Sequence) -> TokenHistory:
@@ -127,6 +143,17 @@ class LLMEngine(EngineCore):
             history = TokenHistory(seq.token_ids, seq.num_prompt_tokens, stop_ids)
             seq.extra["history"] = history
         return history
+
+    def compile(self, params: SamplingParams) -> Any:
+        """The request's compiled constraint (None without one); InvalidRequestError when it
+        does not compile, or when this engine has no tokenizer to compile against."""
+        if params.structured is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequestError(f"{params.structured.field}: structured outputs need the "
+                                      "checkpoint's tokenizer.json, which this model lacks",
+                                      params.structured.field)
+        return self.grammars.compile(params.structured)
 
     # ----------------------------------------------------------------- offline & introspection
 
@@ -144,7 +171,7 @@ class LLMEngine(EngineCore):
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
                 rid = f"generate-{id(results)}-{i}"
-                self.add_request(rid, prompt, p, cache_salt)
+                self.add_request(rid, prompt, p, cache_salt, grammar=self.compile(p))
                 results[rid] = GenerateOutput(
                     rid,
                     list(prompt),

@@ -14,6 +14,7 @@ import copy
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from prefixserve.router import blocks
 from prefixserve.router.events import KVEvent
@@ -52,6 +53,7 @@ class EngineRequest:
     stop_ids: frozenset[int]
     seqs: list[Sequence] = field(default_factory=list)
     num_done: int = 0
+    grammar: Any = None  # the compiled constraint (workers/structured.py); None: free text
 
 
 class EngineCore:
@@ -151,10 +153,12 @@ class EngineCore:
         sampling_params: SamplingParams,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        grammar: Any = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (and changes nothing) on bad input.
 
-        ``tenant`` is whose fair share of the batch the request uses (see workers.scheduler).
+        ``tenant`` is whose fair share of the batch the request uses (see workers.scheduler);
+        ``grammar`` is its compiled structured-output constraint, if any.
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
@@ -163,19 +167,21 @@ class EngineCore:
         stop = set(sampling_params.stop_token_ids)
         if not sampling_params.ignore_eos:
             stop.update(self.eos_token_ids)
-        req = EngineRequest(request_id, sampling_params, len(prompt), frozenset(stop))
+        req = EngineRequest(request_id, sampling_params, len(prompt), frozenset(stop),
+                            grammar=grammar)
         hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))
         hasher.append(prompt)
         seq = Sequence(seq_id=f"{request_id}#0", request_id=request_id, index=0,
                        token_ids=prompt, num_prompt_tokens=len(prompt), params=sampling_params,
                        hasher=hasher, tenant=tenant)
-        self._init_seq(seq)
+        self._init_seq(seq, req)
         req.seqs.append(seq)
         self._requests[request_id] = req
         self.scheduler.add(seq)
 
-    def _init_seq(self, seq: Sequence) -> None:
-        """Per-sample state a subclass keeps in ``seq.extra`` (the real one: its generator)."""
+    def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
+        """Per-sample state a subclass keeps in ``seq.extra`` (the real one: its generator and
+        its grammar's matcher)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its blocks now; its samples report "abort" next step."""
@@ -246,7 +252,7 @@ class EngineCore:
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens, status=SeqStatus.RUNNING,
                 forked=True, tenant=parent.tenant)
-            self._init_seq(child)
+            self._init_seq(child, req)
             self.kv.fork(parent.seq_id, child.seq_id)
             self.scheduler.running.append(child)
             req.seqs.append(child)

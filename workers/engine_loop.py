@@ -60,6 +60,24 @@ def drain_steps(
         item = pending.get_nowait()
 
 
+NOTHING = object()  # what next_within gives when nothing came in time
+
+
+async def next_within(queue: asyncio.Queue, timeout_s: float) -> Any:
+    """The queue's next item, or NOTHING after `timeout_s`. Not `asyncio.wait_for`: before
+    Python 3.12 it may swallow the caller's cancel when the item arrives at the same moment,
+    and a cancelled stream must end (that aborts the request)."""
+    if not queue.empty():
+        return queue.get_nowait()
+    get = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait({get}, timeout=timeout_s)
+    finally:
+        if not get.done():
+            get.cancel()
+    return get.result() if done else NOTHING
+
+
 def to_deltas(steps: list[list[RequestOutput]], worker: str) -> list[TokenDelta]:
     """The engine's outputs of one or more steps as the wire's deltas, one per sample, tokens in
     order: the one place an engine output is converted.
@@ -94,6 +112,7 @@ class Add:
     cache_salt: str | None
     tenant: str | None
     stream: OutputStream
+    grammar: Any = None  # the compiled structured-output constraint
 
 
 @dataclass(frozen=True)
@@ -143,8 +162,10 @@ class EngineLoop(threading.Thread):
     # Called from other threads -------------------------------------------------------
 
     def add(self, request_id: str, prompt: Iterable[int], params: SamplingParams,
-            cache_salt: str | None, stream: OutputStream, tenant: str | None = None) -> None:
-        self._commands.put(Add(request_id, prompt, params, cache_salt, tenant, stream))
+            cache_salt: str | None, stream: OutputStream, tenant: str | None = None,
+            grammar: Any = None) -> None:
+        self._commands.put(Add(request_id, prompt, params, cache_salt, tenant, stream,
+                               grammar))
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its blocks. ``notify``: its stream still gets the final
@@ -223,7 +244,7 @@ class EngineLoop(threading.Thread):
         if isinstance(command, Add):
             try:
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        command.cache_salt, command.tenant)
+                                        command.cache_salt, command.tenant, command.grammar)
             except Exception as exc:  # InvalidRequestError, or anything the engine rejects
                 command.stream.send(exc)
                 return

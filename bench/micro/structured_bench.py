@@ -1,0 +1,131 @@
+"""Structured outputs' cost in the engine: decode tokens/s of a batch of JSON-schema requests
+against the same batch unconstrained, and grammar compile time per schema, cold and cached.
+
+    python -m prefixserve.bench.micro.structured_bench            # the default real model
+    python -m prefixserve.bench.micro.structured_bench --quick    # fewer requests and rounds
+
+Both batches decode greedily from the same prompts; each unconstrained request ignores EOS and
+runs to the length its constrained twin reached, so both batches have the same shape step by
+step (a batch that thins out early decodes fewer tokens per second for that reason alone). The
+two alternate (A B A B ...) and the median of each, and their ratio, are printed: the machine
+is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import platform
+import statistics
+import sys
+import time
+
+from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
+from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                      "country": {"type": "string", "maxLength": 40},
+                                      "is_capital": {"type": "boolean"}},
+     "required": ["name", "country", "is_capital"], "additionalProperties": False},
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 60},
+        "tags": {"type": "array", "items": {"enum": ["news", "sport", "travel"]},
+                 "maxItems": 3},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+        "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}},
+                   "required": ["name"], "additionalProperties": False}},
+     "required": ["title", "tags", "rating", "author"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "object", "properties": {
+        "step": {"type": "integer", "minimum": 1, "maximum": 20},
+        "done": {"type": "boolean"}}, "required": ["step", "done"],
+        "additionalProperties": False}, "maxItems": 4},
+]
+TOPICS = ["Paris", "a football match", "a mountain trip", "the stock market", "a recipe",
+          "a train delay", "a new phone", "a museum"]
+
+
+def _prompts(tok_encode, count: int) -> list[list[int]]:
+    return [tok_encode([{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as "
+                                                    "JSON."}]) for i in range(count)]
+
+
+def _run(eng: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+         ) -> tuple[float, list[int]]:
+    """Seconds for the batch, and each request's generated length."""
+    eng.reset_prefix_cache()
+    start = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    return seconds, [len(o.samples[0].token_ids) for o in outs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.requests, args.rounds = 8, 2
+    logging.basicConfig(level=logging.WARNING)
+    from prefixserve.cluster.tokenizer import Tokenizer
+
+    path = resolve_checkpoint(args.model)
+    eng = LLMEngine.from_pretrained(path, EngineConfig(device="cpu", max_num_seqs=64))
+    tok = Tokenizer(path)
+    assert eng.grammars is not None
+    print(f"model {args.model} on {platform.machine()} {_cpu_name()}; {args.requests} requests, "
+          f"max_tokens {args.max_tokens}, {args.rounds} rounds")
+
+    # compile: the first includes the vocabulary tables, then each schema cold, then cached
+    start = time.perf_counter()
+    eng.grammars.compile(StructuredOutput("json", json.dumps(SCHEMAS[0])))
+    print(f"first compile (vocabulary tables + schema 0): {time.perf_counter() - start:.3f} s")
+    for i, schema in enumerate(SCHEMAS):
+        so = StructuredOutput("json", json.dumps(schema, indent=i))  # new text: not cached
+        cold = _timed(lambda so=so: eng.grammars.compile(so))
+        cached = _timed(lambda so=so: eng.grammars.compile(so))
+        print(f"schema {i}: compile cold {cold * 1e3:.2f} ms, cached {cached * 1e3:.3f} ms")
+
+    prompts = _prompts(lambda m: tok.encode_chat(m), args.requests)
+    constrained = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0, structured=(
+        StructuredOutput("json", json.dumps(SCHEMAS[i % len(SCHEMAS)])))) for i in range(
+        len(prompts))]
+    _, lengths = _run(eng, prompts, constrained)  # warm-up; sets the free run's lengths
+    free = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    rates: dict[str, list[float]] = {"unconstrained": [], "json schema": []}
+    for _ in range(args.rounds):
+        for name, params in (("unconstrained", free), ("json schema", constrained)):
+            seconds, made = _run(eng, prompts, params)
+            rates[name].append(sum(made) / seconds)
+    base = statistics.median(rates["unconstrained"])
+    json_rate = statistics.median(rates["json schema"])
+    print(f"decode tok/s (median of {args.rounds}): unconstrained {base:.1f}, json schema "
+          f"{json_rate:.1f}; ratio {json_rate / base:.3f} (overhead {1 - json_rate / base:+.1%})")
+    return 0
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""Structured outputs in the engine: every constrained sample's text fits its constraint (JSON
+schema, any JSON, regex, choice, EBNF grammar), with n>1, a prefix-cache hit, preemption and
+logprobs; greedy runs are reproducible; bad constraints are refused naming their field. The
+built-in random-weight model writes the tokens, so only the grammar keeps them in shape."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer
+
+from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
+from prefixserve.workers import structured
+from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.structured import compile_in_thread
+
+SCHEMAS = [
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "size": {"type": "integer", "minimum": 1, "maximum": 9},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+        "nested": {"type": "object", "properties": {"on": {"type": "boolean"}},
+                   "required": ["on"], "additionalProperties": False},
+        "either": {"anyOf": [{"type": "boolean"}, {"enum": ["x", "y"]}]},
+    }, "required": ["colour", "size", "nested"], "additionalProperties": False},
+    {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4},
+]
+
+
+PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def eng() -> LLMEngine:
+    return LLMEngine.from_pretrained(ensure_builtin_model(), EngineConfig(
+        device="cpu", num_blocks=64, max_num_seqs=8))
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_file(str(ensure_builtin_model() / "tokenizer.json"))
+
+
+def run(eng: LLMEngine, tok: Tokenizer, kind: str, spec: str, **kw) -> list[tuple[str, str]]:
+    """(text, finish reason) of each sample of one constrained request."""
+    so = StructuredOutput(kind, spec, "response_format")
+    grammar = eng.grammars.compile(so)
+    params = SamplingParams(max_tokens=kw.pop("max_tokens", 120), structured=so, **kw)
+    rid = f"s-{id(params)}"
+    eng.add_request(rid, PROMPT, params, None, None, grammar)
+    samples: dict[int, list[int]] = {}
+    reasons: dict[int, str | None] = {}
+    while rid in eng._requests:
+        for out in eng.step():
+            samples.setdefault(out.index, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.index] = out.finish_reason
+    return [(tok.decode(samples[i]), reasons[i]) for i in sorted(samples)]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampled_json_fits_its_schema(eng: LLMEngine, tok: Tokenizer, schema: dict,
+                                      seed: int) -> None:
+    for text, reason in run(eng, tok, "json", json.dumps(schema), temperature=1.0, seed=seed,
+                            n=2, max_tokens=200):
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_any_json_object(eng: LLMEngine, tok: Tokenizer) -> None:
+    (text, reason), = run(eng, tok, "json", "", temperature=0.0, max_tokens=60)
+    if reason == "stop":  # free JSON may outrun max_tokens: then "length", as in vLLM
+        json.loads(text)
+    assert text.lstrip()[:1] in "{["
+
+
+def test_regex_choice_and_grammar(eng: LLMEngine, tok: Tokenizer) -> None:
+    for text, reason in run(eng, tok, "regex", r"(yes|no)-[0-9]{3}", n=3, seed=7):
+        assert reason == "stop" and re.fullmatch(r"(yes|no)-[0-9]{3}", text), text
+    choices = ["alpha", "beta", "gamma delta"]
+    for text, _ in run(eng, tok, "choice", json.dumps(choices), n=4, seed=3):
+        assert text in choices
+    grammar = 'root ::= "(" digit+ ")"\ndigit ::= [0-9]'
+    for text, reason in run(eng, tok, "grammar", grammar, seed=5, max_tokens=40):
+        assert re.fullmatch(r"\([0-9]+\)", text) or reason == "length", text
+
+
+def test_greedy_is_reproducible_and_logprobs_follow_the_mask(eng: LLMEngine,
+                                                            tok: Tokenizer) -> None:
+    schema = json.dumps(SCHEMAS[1])
+    first = run(eng, tok, "json", schema, temperature=0.0)
+    assert run(eng, tok, "json", schema, temperature=0.0) == first  # a prefix hit the 2nd time
+    so = StructuredOutput("json", schema)
+    params = SamplingParams(max_tokens=200, temperature=0.0, logprobs=2, structured=so)
+    out = eng.generate([PROMPT], params)[0].samples[0]
+    assert tok.decode(out.token_ids) == first[0][0]
+    assert all(lp.logprob > float("-inf") for lp in out.logprobs)  # sampled: allowed tokens
+
+
+def test_preempted_samples_stay_in_shape(tok: Tokenizer) -> None:
+    """A pool too small for every sample at once: some are preempted and recomputed."""
+    small = LLMEngine.from_pretrained(ensure_builtin_model(), EngineConfig(
+        device="cpu", num_blocks=12, block_size=16, max_num_seqs=8))
+    results = run(small, tok, "json", json.dumps(SCHEMAS[1]), n=6, seed=11, max_tokens=100)
+    assert small.stats().num_preemptions > 0
+    for text, reason in results:
+        assert reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMAS[1])
+
+
+@pytest.mark.parametrize(("kind", "spec", "says"), [
+    ("json", "{not json", "response_format"),
+    ("json", json.dumps({"type": "object", "properties": {"a": {"type": "nonsense"}}}),
+     "response_format"),
+    ("regex", "(unclosed", "response_format"),
+    ("grammar", "root ::= missing_rule", "response_format"),
+    ("choice", "[]", "choice"),
+    ("choice", "[1, 2]", "choice"),
+])
+def test_bad_constraints_are_refused_naming_the_field(eng: LLMEngine, kind: str, spec: str,
+                                                      says: str) -> None:
+    with pytest.raises(InvalidRequestError, match=says):
+        eng.grammars.compile(StructuredOutput(kind, spec, "response_format"))
+
+
+async def test_compiling_runs_off_the_loop_within_its_time_limit(
+        eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(structured=StructuredOutput("regex", "[a-z]+", "guided_regex"))
+    assert await compile_in_thread(eng.compile, params) is not None
+    with pytest.raises(InvalidRequestError, match="need a real model") as info:
+        await compile_in_thread(None, params)  # a simulated engine cannot constrain
+    assert info.value.param == "guided_regex"
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+
+    def slow(p: SamplingParams) -> None:
+        time.sleep(0.5)
+
+    with pytest.raises(InvalidRequestError, match=r"did not compile within 0\.05 s") as info:
+        await compile_in_thread(slow, params)
+    assert info.value.param == "guided_regex"
