@@ -5,6 +5,7 @@ built-in random-weight model writes the tokens, so only the grammar keeps them i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -148,3 +149,29 @@ async def test_compiling_runs_off_the_loop_within_its_time_limit(
     with pytest.raises(InvalidRequestError, match=r"did not compile within 0\.05 s") as info:
         await compile_in_thread(slow, params)
     assert info.value.param == "guided_regex"
+
+
+async def test_a_runaway_compile_holds_one_thread_and_queued_ones_give_up(
+        eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiles run one at a time: behind a slow one, a queued compile is refused when its time
+    is up and never runs."""
+    params = SamplingParams(structured=StructuredOutput("regex", "[a-z]+", "guided_regex"))
+    ran: list[str] = []
+
+    def slow(p: SamplingParams) -> None:
+        ran.append("slow")
+        time.sleep(0.6)
+
+    def quick(p: SamplingParams) -> str:
+        ran.append("quick")
+        return "compiled"
+
+    assert await compile_in_thread(quick, params) == "compiled"  # the thread is free again
+    ran.clear()
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.2)
+    results = await asyncio.gather(compile_in_thread(slow, params),
+                                   compile_in_thread(quick, params), return_exceptions=True)
+    assert all(isinstance(r, InvalidRequestError) for r in results)
+    await asyncio.sleep(0.6)  # the slow one ends; the queued one was dropped, not run late
+    assert ran == ["slow"]
+    assert await compile_in_thread(quick, params) == "compiled"

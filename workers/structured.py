@@ -5,7 +5,7 @@ Grammars are xgrammar's (as vLLM's and SGLang's): a JSON schema, a regular expre
 among strings or an EBNF grammar becomes a `CompiledGrammar` against this model's vocabulary.
 The compiler, and its vocabulary tables, are built on the first constrained request, so an
 engine that never sees one pays nothing; its cache of compiled grammars is bounded in bytes.
-Compiling runs off the engine loop (the replica's thread pool), within a time limit.
+Compiling runs off the engine loop, on one thread per process, within a time limit.
 
 Per sample, a `GrammarMatcher` follows the tokens sampled so far. At a step with constrained
 samples, `mask_logits` sets every token their grammars refuse to -inf (stop tokens are allowed
@@ -20,6 +20,7 @@ import asyncio
 import json
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,9 @@ from prefixserve.workers.errors import InvalidRequestError
 
 COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused (400)
 CACHE_BYTES = 256 * 2**20  # compiled grammars kept, at most
+# One thread compiles, for every engine in the process: xgrammar releases the GIL while it
+# works, so it costs the engine one core at most, whatever clients send.
+_COMPILE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
 
 
 class GrammarCompiler:
@@ -76,16 +80,20 @@ class GrammarCompiler:
 
 async def compile_in_thread(compile_: Callable[[SamplingParams], Any] | None,
                             params: SamplingParams) -> Any:
-    """`compile_(params)` (an engine's `compile`) on a thread within COMPILE_TIMEOUT_S; past
-    it, a 400. The thread cannot be stopped: a runaway compile finishes in the background,
-    into the cache. None: the engine cannot constrain (a simulated one)."""
+    """`compile_(params)` (an engine's `compile`) on the process's one compile thread, within
+    COMPILE_TIMEOUT_S (waiting for the thread included); past it, a 400. A compile cannot be
+    stopped once it runs: a runaway one finishes in the background, into the cache, and holds
+    one core, never more (a schema of 20 strings of `maxLength` 200 compiles for ~54 s). A
+    compile still queued when its request gives up is dropped. None: the engine cannot
+    constrain (a simulated one)."""
     params.validate()
     assert params.structured is not None
     if compile_ is None:
         raise InvalidRequestError(f"{params.structured.field}: structured outputs need a real "
                                   "model, not a simulated one", params.structured.field)
     try:
-        return await asyncio.wait_for(asyncio.to_thread(compile_, params), COMPILE_TIMEOUT_S)
+        running = asyncio.get_running_loop().run_in_executor(_COMPILE_THREAD, compile_, params)
+        return await asyncio.wait_for(running, COMPILE_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise InvalidRequestError(f"{params.structured.field}: the constraint did not compile "
                                   f"within {COMPILE_TIMEOUT_S:g} s",
