@@ -11,12 +11,23 @@ so a reader can tell a quiet run from a crowded one. Readings come from psutil.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import psutil
+
+
+def cpu_name() -> str:
+    """The CPU's model name, for a benchmark's header (results differ by CPU: AVX2, AMX)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 @dataclass(frozen=True)

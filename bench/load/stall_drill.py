@@ -24,6 +24,7 @@ import time
 import httpx
 
 from prefixserve.bench.load.launch import APP_NAME, local_cluster, shutdown
+from prefixserve.bench.load.machine import cpu_name
 from prefixserve.cluster.render import WORKER_HEADER
 
 
@@ -97,22 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         with local_cluster(**options) as launched:
             deadline = launched.config.ingress.worker_stall_timeout_s
             print(f"{args.num_workers} workers of {launched.model}, worker_stall_timeout_s="
-                  f"{deadline:g}, on {platform.machine()} {_cpu_name()}")
+                  f"{deadline:g}, on {platform.machine()} {cpu_name()}")
             for what, figure in drill(launched.base_url, args.num_workers,
                                       args.max_tokens).items():
                 print(f"  {what:32} {figure}")
     finally:
         shutdown()
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

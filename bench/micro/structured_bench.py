@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 
+from prefixserve.bench.load.machine import cpu_name
 from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     eng = LLMEngine.from_pretrained(path, EngineConfig(device="cpu", max_num_seqs=64))
     tok = Tokenizer(path)
     assert eng.grammars is not None
-    print(f"model {args.model} on {platform.machine()} {_cpu_name()}; {args.requests} requests, "
+    print(f"model {args.model} on {platform.machine()} {cpu_name()}; {args.requests} requests, "
           f"max_tokens {args.max_tokens}, {args.rounds} rounds")
 
     # compile: the first includes the vocabulary tables, then each schema cold, then cached
@@ -116,15 +117,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f
-                        if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":
