@@ -56,6 +56,7 @@ from prefixserve.cluster.tokenize_protocol import (
     VersionResponse,
 )
 from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
+from prefixserve.cluster.tool_parsers import TOOL_PARSERS
 from prefixserve.cluster.worker_health import WorkerHealth
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.model_sources import model_source
@@ -112,7 +113,8 @@ class OpenAIIngress:
                  salt_secret: bytes = b"", tokenizer: str | None = None,
                  chat_template: str | None = None,
                  worker_stall_timeout_s: float | None = None,
-                 control_tokens_in_messages: bool = False) -> None:
+                 control_tokens_in_messages: bool = False,
+                 tool_call_parser: str | None = None) -> None:
         Guard.configure(guard)
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
@@ -126,7 +128,11 @@ class OpenAIIngress:
         model_len, vocab_size = source.limits(model, path)
         self.tokenizer = Tokenizer(tokenizer or path, chat_template)
         self.model_name = model_name
-        self.render = Renderer(self.tokenizer, model_name)
+        self.render = Renderer(self.tokenizer, model_name, tool_call_parser)
+        # tool_choice `auto` reads the parser's markers, control tokens in some models
+        fmt = TOOL_PARSERS.get(tool_call_parser or "")
+        self.tool_markers = self.tokenizer.special_ids(fmt.markers + fmt.between) if fmt \
+            else frozenset()
         self.max_model_len = min(max_model_len or model_len, model_len)
         self.bounds = RequestLimits(self.max_model_len, vocab_size,
                                     self.tokenizer.max_chars_per_token, guard.max_request_tokens,
@@ -171,8 +177,9 @@ class OpenAIIngress:
         self._check_model(req.model)
         if req.messages is not None:
             param = "messages"
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                       req.chat_template_kwargs, req.special_tokens)
+                                       req.chat_template_kwargs, req.special_tokens, tools)
         else:
             param, prompt = "prompt", req.prompt or ""
             self.bounds.chars(len(prompt), param)
@@ -227,8 +234,13 @@ class OpenAIIngress:
         self._check_model(req.model)
         self.bounds.stop_ids(req.stop_token_ids)
         self.bounds.logit_bias(req.logit_bias_ids)
+        if req.tool_mode == "auto" and self.render.tool_parser is None:
+            raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server '
+                           'started with --enable-auto-tool-choice and --tool-call-parser',
+                           param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs)
+                                   req.chat_template_kwargs, tools=tools)
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
@@ -239,6 +251,8 @@ class OpenAIIngress:
         sampling = req.sampling_params(max_tokens, req.num_logprobs)
         gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
                                req.cache_salt)
+        if req.tool_mode == "auto":
+            gen.keep_special = self.tool_markers
         if req.stream:
             return await stream_response(gen, self.render.chat_chunks(gen, req))
         per_choice = await collect(gen)
@@ -267,29 +281,28 @@ class OpenAIIngress:
 
     async def _chat_ids(self, chat: list[ChatMessage], add_generation_prompt: bool,
                         template_kwargs: dict[str, Any] | None,
-                        add_special_tokens: bool = False) -> list[int]:
+                        add_special_tokens: bool = False,
+                        tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation's token ids: length-checked, then rendered and tokenized (on the
         pool when long)."""
-        messages = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-             "name": m.name}
-            for m in chat
-        ]
-        chars = sum(len(m["content"]) for m in messages)
+        messages = [m.template_message() for m in chat]
+        chars = sum(len(m.text()) + sum(len(c.function.arguments) for c in m.tool_calls or ())
+                    for m in chat)
         self.bounds.chars(chars, "messages")
-        heavy = chars + MESSAGE_CHARS * len(messages) > INLINE_CHARS
+        heavy = chars + MESSAGE_CHARS * (len(messages) + len(tools or ())) > INLINE_CHARS
         return await self._run(heavy, self._encode_chat, messages, add_generation_prompt,
-                               template_kwargs, add_special_tokens)
+                               template_kwargs, add_special_tokens, tools)
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     template_kwargs: dict[str, Any] | None, add_special_tokens: bool
-                     ) -> list[int]:
+                     template_kwargs: dict[str, Any] | None, add_special_tokens: bool,
+                     tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The conversation's token ids, control strings in message text kept as text (unless
         the operator allows them as tokens); the rendered text is held to the same length
         bound as a prompt before it is tokenized (the template adds text per message)."""
         try:
             pieces = self.tokenizer.render_chat_pieces(
-                messages, add_generation_prompt, template_kwargs, not self.message_controls)
+                messages, add_generation_prompt, template_kwargs, not self.message_controls,
+                tools)
         except TemplateKwargsError as exc:
             raise ApiError(400, str(exc), param="chat_template_kwargs") from None
         except TokenizerError as exc:

@@ -8,11 +8,18 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from prefixserve.cluster.errors import ApiError
 
 Body = TypeVar("Body", bound=BaseModel)
+
+
+class RequestModel(BaseModel):
+    """A request body or part of one: no string-to-number coercion, NaN and infinities
+    refused, unknown fields ignored (SDKs send fields the server does not act on)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 def parse_body(model: type[Body], raw: bytes) -> Body:

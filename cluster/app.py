@@ -79,7 +79,8 @@ def build_app(config: ClusterConfig) -> Application:
                         tokenizer=config.ingress.tokenizer,
                         chat_template=config.ingress.chat_template,
                         worker_stall_timeout_s=stall_timeout_s,
-                        control_tokens_in_messages=config.ingress.control_tokens_in_messages)
+                        control_tokens_in_messages=config.ingress.control_tokens_in_messages,
+                        tool_call_parser=config.ingress.auto_tool_parser)
 
 
 def request_router_config(

@@ -96,6 +96,7 @@ class Generation:
     tenant: str | None = None  # the API key's tenant: the workers queue tenants fairly
     stall_timeout_s: float | None = None  # a worker silent this long is stalled; None: no limit
     on_stall: Callable[[str], None] | None = None  # told the replica id of a stalled worker
+    keep_special: frozenset[int] = frozenset()  # special tokens the text keeps (tool markers)
     choices: list[list[_Choice]] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     served_by: list[set[str]] = field(default_factory=list)  # per prompt: worker replica ids
@@ -160,7 +161,8 @@ class Generation:
         """Prompt `p` on a worker, from a clean state. Called again (a retry) only while none
         of `p`'s output has been passed on, so nothing the client saw is lost or repeated."""
         self.choices[p] = [
-            _Choice(self.tokenizer.detokenizer(self.prompts[p]), StopChecker(self.stops))
+            _Choice(self.tokenizer.detokenizer(self.prompts[p], self.keep_special),
+                    StopChecker(self.stops))
             for _ in range(self.sampling.n)
         ]
         self.cached_tokens[p] = 0

@@ -7,9 +7,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prefixserve.cluster.chat_template import TokenizerError, compile_chat_template
+from prefixserve.cluster.tool_parsers import TOOL_PARSERS
 
 DEFAULT_MAX_REQUEST_TOKENS = 2**18
 DEFAULT_MAX_REQUEST_LOGPROBS = 2**17
@@ -126,6 +127,14 @@ class IngressConfig(BaseModel):
     chat_template: str | None = Field(
         None, description="Chat template used instead of the tokenizer's (vLLM's "
         "--chat-template): Jinja text (anything with a brace or newline) or a file holding it")
+    enable_auto_tool_choice: bool = Field(
+        False, description="Let the model decide whether to call tools (tool_choice `auto`, "
+        "the default when a request has tools), its calls read by tool_call_parser (vLLM's "
+        "--enable-auto-tool-choice). Without it such a request gets 400; `none`, `required` "
+        "and a named function need no parser")
+    tool_call_parser: str | None = Field(
+        None, description="How the model writes tool calls (vLLM's --tool-call-parser): "
+        f"{', '.join(TOOL_PARSERS)}")
     tokenizer: str | None = Field(
         None, description="Tokenizer used instead of the checkpoint's (vLLM's --tokenizer): a "
         "directory with tokenizer.json (and tokenizer_config.json, chat_template.jinja) or a "
@@ -144,6 +153,25 @@ class IngressConfig(BaseModel):
         except TokenizerError as exc:
             raise ValueError(str(exc)) from None
         return text
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _check_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_PARSERS:
+            raise ValueError(f"unknown tool-call parser {value!r}; known: "
+                             f"{', '.join(TOOL_PARSERS)}")
+        return value
+
+    @model_validator(mode="after")
+    def _auto_needs_parser(self) -> IngressConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
+        return self
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser tool_choice `auto` uses; None when auto is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
     @field_validator("api_key")
     @classmethod

@@ -3,23 +3,23 @@
 Requests are validated strictly (no string-to-number coercion, NaN/inf rejected, bounded lists)
 so bad input becomes a clear 400 instead of a surprise deep in the engine. Unknown fields are
 ignored: the official `openai` client and other SDKs send fields we do not act on. Fields that
-would silently change the answer if ignored (`echo`, `suffix`, `best_of`, tools) are rejected
-when set to anything but their neutral value.
+would silently change the answer if ignored (`echo`, `suffix`, `best_of`) are rejected when set
+to anything but their neutral value. The chat conversation and its tools are in
+cluster/chat_protocol.py.
 
 A structured output is asked for as OpenAI does (`response_format` of type `json_object` or
 `json_schema`), as vLLM does (`structured_outputs`: `json`, `regex`, `choice` or `grammar`), or
 with vLLM's older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; at most one
-per request. The worker compiles it (a constraint that does not compile is a 400 there).
+per request; `tool_choice: required` or a named function is one too. The worker compiles it (a
+constraint that does not compile is a 400 there).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -27,6 +27,18 @@ from pydantic import (
     model_validator,
 )
 
+from prefixserve.cluster.api_schema import RequestModel
+from prefixserve.cluster.chat_protocol import (
+    MAX_TOOLS,
+    ChatMessage,
+    ToolChoice,
+    ToolDefinition,
+    ToolMode,
+    check_tool_choice,
+    check_tools,
+    tool_constraint,
+    tool_mode,
+)
 from prefixserve.router.sampling_params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -49,34 +61,33 @@ MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: each costs the worker on ev
 MAX_TOKEN_ID_DIGITS = 10
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
-
-
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
 Constraint = str | dict[str, Any]  # a JSON schema as an object, or any constraint's text
 
 
-class StructuredOutputs(_Request):
+class StructuredOutputs(RequestModel):
     """vLLM's `structured_outputs`: exactly one constraint."""
 
     json_: Constraint | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     grammar: str | None = None
-    structural_tag: Any = None
+    structural_tag: Constraint | None = None  # xgrammar's structural tag, or vLLM's first shape
 
     @model_validator(mode="after")
     def _one(self) -> StructuredOutputs:
-        if self.structural_tag is not None:
-            raise ValueError("structural_tag is not supported")
-        given = [n for n in ("json_", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given = [n for n, _ in STRUCTURED_FIELDS if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError("give exactly one of json, regex, choice, grammar")
+            raise ValueError("give exactly one of json, regex, choice, grammar, structural_tag")
         return self
+
+
+# (field, kind) of each constraint `structured_outputs` takes
+STRUCTURED_FIELDS = (("json_", "json"), ("regex", "regex"), ("choice", "choice"),
+                     ("grammar", "grammar"), ("structural_tag", "structural_tag"))
 
 
 def _spec(value: Constraint | list[str], field: str) -> str:
@@ -87,7 +98,7 @@ def _spec(value: Constraint | list[str], field: str) -> str:
     return text
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(RequestModel):
     """Fields both endpoints share."""
 
     model: str | None = None  # None: the served model
@@ -155,10 +166,11 @@ class _SamplingRequest(_Request):
     @classmethod
     def _check_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         kind = None if value is None else value.get("type")
-        if value is None or kind in ("text", "json_object"):
+        if value is None or kind in ("text", "json_object", "structural_tag"):
             return value
         if kind != "json_schema":
-            raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+            raise ValueError(f"type must be text, json_object, json_schema or structural_tag, "
+                             f"got {kind!r}")
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | bool):
             raise ValueError("json_schema must be an object whose `schema` is a JSON schema")
@@ -179,13 +191,16 @@ class _SamplingRequest(_Request):
             schema = fmt["json_schema"].get("schema", {})
             found.append(StructuredOutput("json", _spec(schema, "response_format"),
                                           "response_format"))
+        elif fmt.get("type") == "structural_tag":  # vLLM's: the tag is the format itself
+            found.append(StructuredOutput("structural_tag", _spec(fmt, "response_format"),
+                                          "response_format"))
         so = self.structured_outputs
         if so is not None:
-            kind, name = next((k, n) for k, n in (("json", "json_"), ("regex", "regex"),
-                                                  ("choice", "choice"), ("grammar", "grammar"))
-                              if getattr(so, n) is not None)
+            name, kind = next((n, k) for n, k in STRUCTURED_FIELDS if getattr(so, n) is not None)
             found.append(StructuredOutput(kind, _spec(getattr(so, name), "structured_outputs"),
                                           f"structured_outputs.{kind}"))
+        if (tools := self.tool_constraint()) is not None:
+            found.append(tools)
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
@@ -195,6 +210,10 @@ class _SamplingRequest(_Request):
             raise ValueError(f"give one structured output, not {len(found)} "
                              f"({', '.join(f.field for f in found)})")
         return found[0] if found else None
+
+    def tool_constraint(self) -> StructuredOutput | None:
+        """The constraint `tool_choice` sets (chat only)."""
+        return None
 
     @model_validator(mode="after")
     def _check_min_tokens(self) -> _SamplingRequest:
@@ -314,62 +333,30 @@ class CompletionRequest(_SamplingRequest):
         return [p]  # type: ignore[list-item]
 
 
-class ContentPart(_Request):
-    type: str
-    text: str = ""
-
-    @model_validator(mode="after")
-    def _text_only(self) -> ContentPart:
-        if self.type != "text":
-            raise ValueError(f"only text content parts are supported, got type {self.type!r}")
-        return self
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
-    name: str | None = None
-
-    @field_validator("content", mode="wrap")
-    @classmethod
-    def _check_content(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        if isinstance(value, list):  # report the part's own error, not the union's
-            return [ContentPart.model_validate(part, strict=True) for part in value]
-        try:
-            return handler(value)
-        except ValidationError:
-            raise ValueError("content must be a string or a list of text parts") from None
-
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extension, for chat templates
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: template variables
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise ValueError("tools are not supported")
-        return value
+    _tools = field_validator("tools")(check_tools)
+    _tool_choice = field_validator("tool_choice", mode="wrap")(check_tool_choice)
 
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is not None and value != "none":
-            raise ValueError("tools are not supported; omit tool_choice or send \"none\"")
-        return value
+    @property
+    def tool_mode(self) -> ToolMode:
+        return tool_mode(self.tools, self.tool_choice)
+
+    def tool_constraint(self) -> StructuredOutput | None:
+        schema = tool_constraint(self.tools or [], self.tool_choice, self.parallel_tool_calls)
+        if schema is None:
+            return None
+        return StructuredOutput("json", _spec(schema, "tools"), "tools")
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -17,6 +17,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from prefixserve.cluster.chat_protocol import NamedToolChoice
 from prefixserve.cluster.generation import ChoiceDelta, Generation, to_api_error
 from prefixserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from prefixserve.cluster.responses import (
@@ -32,11 +33,23 @@ from prefixserve.cluster.responses import (
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCallOut,
+    FunctionDelta,
+    ToolCallChunk,
+    ToolCallOut,
     TopLogprob,
     Usage,
     now,
 )
 from prefixserve.cluster.tokenizer import Tokenizer
+from prefixserve.cluster.tool_parsers import (
+    REQUIRED_FORMAT,
+    TOOL_PARSERS,
+    NamedCallReader,
+    Reader,
+    ToolCallReader,
+    read_all,
+)
 
 WORKER_HEADER = "x-prefixserve-worker"
 
@@ -117,12 +130,36 @@ def _finish(deltas: list[ChoiceDelta]) -> str | None:
     return deltas[-1].finish_reason if deltas else None
 
 
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    """An answer that called tools and ended by itself finishes with `tool_calls`."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _chat_deltas(d: ChoiceDelta, reader: Reader | None) -> tuple[list[ChatDelta], str | None]:
+    """One choice's new output as stream deltas (content, then each call's id and name or
+    argument text), and its finish reason."""
+    if reader is None:
+        return ([ChatDelta(content=d.text)] if d.text else []), d.finish_reason
+    out = reader.feed(d.text)
+    if d.finish_reason is not None:
+        tail = reader.finish()
+        out.content += tail.content
+        out.calls += tail.calls
+    parts = [ChatDelta(content=out.content)] if out.content else []
+    parts += [ChatDelta(tool_calls=[ToolCallChunk(
+        index=c.index, id=c.id, type="function" if c.id else None,
+        function=FunctionDelta(name=c.name, arguments=c.arguments))]) for c in out.calls]
+    return parts, _tool_finish(d.finish_reason, reader.called)
+
+
 @dataclass(frozen=True)
 class Renderer:
-    """Renders one served model's responses; logprobs need its tokenizer's token texts."""
+    """Renders one served model's responses; logprobs need its tokenizer's token texts, and
+    tool calls are read out of the text (cluster/tool_parsers.py)."""
 
     tokenizer: Tokenizer
     model_name: str
+    tool_parser: str | None = None  # the server's parser for tool_choice `auto`
 
     def completion(self, gen: Generation, req: CompletionRequest,
                    per_choice: list[list[ChoiceDelta]]) -> CompletionResponse:
@@ -135,15 +172,35 @@ class Renderer:
         return CompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
                                   choices=choices, usage=gen.usage())
 
+    def tool_reader(self, req: ChatCompletionRequest) -> Reader | None:
+        """What reads tool calls out of one choice's text: the server's parser for `auto`, the
+        JSON array of calls for `required`, the arguments for a named function; None without
+        tools (or with `none`)."""
+        max_calls = None if req.parallel_tool_calls else 1
+        mode = req.tool_mode
+        if mode == "auto" and self.tool_parser is not None:
+            return ToolCallReader(TOOL_PARSERS[self.tool_parser], max_calls)
+        if mode == "required":
+            return ToolCallReader(REQUIRED_FORMAT, max_calls)
+        if mode == "named" and isinstance(req.tool_choice, NamedToolChoice):
+            return NamedCallReader(req.tool_choice.function.name)
+        return None
+
     def chat(self, gen: Generation, req: ChatCompletionRequest,
              per_choice: list[list[ChoiceDelta]]) -> ChatCompletionResponse:
         """The body of a finished request (`collect`ed); pure CPU, may run off the loop."""
         choices = []
         for i, ds in enumerate(per_choice):
             logprobs = self.chat_logprobs(ds) if req.logprobs else None
-            message = ChatResponseMessage(content="".join(d.text for d in ds))
+            content, calls = "".join(d.text for d in ds), []
+            if (reader := self.tool_reader(req)) is not None:
+                content, calls = read_all(reader, content)
+            message = ChatResponseMessage(
+                content=content if content or not calls else None,
+                tool_calls=[ToolCallOut(id=c.id or "", function=FunctionCallOut(
+                    name=c.name or "", arguments=c.arguments)) for c in calls])
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
-                                      finish_reason=_finish(ds)))
+                                      finish_reason=_tool_finish(_finish(ds), bool(calls))))
         return ChatCompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
                                       choices=choices, usage=gen.usage())
 
@@ -205,6 +262,7 @@ class Renderer:
                                            model=self.model_name, choices=choices, usage=usage))
 
         first = True
+        readers = [self.tool_reader(req) for _ in range(req.n)]
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
                 if first:  # the role first, as OpenAI does; only after the stream is known good
@@ -213,9 +271,12 @@ class Renderer:
                                                                            content=""))
                                  for i in range(req.n)])
                 logprobs = self.chat_logprobs([d]) if req.logprobs else None
-                if not (d.text or d.finish_reason or (logprobs and logprobs.content)):
-                    continue
-                yield chunk([ChatChunkChoice(index=d.index, delta=ChatDelta(content=d.text or None),
-                                             logprobs=logprobs, finish_reason=d.finish_reason)])
+                parts, finish = _chat_deltas(d, readers[d.index])
+                if not parts and (finish or (logprobs and logprobs.content)):
+                    parts = [ChatDelta()]
+                for k, part in enumerate(parts):  # logprobs with the first, finish the last
+                    yield chunk([ChatChunkChoice(
+                        index=d.index, delta=part, logprobs=None if k else logprobs,
+                        finish_reason=finish if k == len(parts) - 1 else None)])
         if req.include_usage:
             yield chunk([], gen.usage())

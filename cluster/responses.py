@@ -75,9 +75,21 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: an answer of tool calls only
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -96,15 +108,34 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
-class ChatDelta(BaseModel):
-    """Only the fields a chunk carries, as OpenAI sends them (`{"content": "..."}`)."""
-
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+class _Sparse(BaseModel):
+    """Serialized without its None fields: a stream chunk carries only what it has."""
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionDelta(_Sparse):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallChunk(_Sparse):
+    """A streamed tool call: `index`, `id`, `type` and the name first, then arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+
+class ChatDelta(_Sparse):
+    """Only the fields a chunk carries, as OpenAI sends them (`{"content": "..."}`)."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallChunk] | None = None
 
 
 class ChatChunkChoice(BaseModel):

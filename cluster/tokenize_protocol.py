@@ -12,10 +12,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field, model_validator
 
-from prefixserve.cluster.protocol import ChatMessage, _Request
+from prefixserve.cluster.api_schema import RequestModel
+from prefixserve.cluster.chat_protocol import MAX_TOOLS, ChatMessage, ToolDefinition
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(RequestModel):
     model: str | None = None  # None: the served model
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -23,6 +24,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = Field(None, max_length=MAX_TOOLS)  # for the template
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -45,7 +47,7 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

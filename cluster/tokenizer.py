@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,19 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_toke
 # Variables the renderer sets itself; `chat_template_kwargs` may not replace them.
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value, keys included."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _strings(v)
 
 
 class TemplateKwargsError(TokenizerError):
@@ -119,6 +132,7 @@ class Tokenizer:
         self._byte_fallback = "ByteFallback" in decoders
         added = self._tok.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
+        self._special_ids = frozenset(i for i, t in added.items() if t.special)
         # The control strings (special tokens' text), longest first so that a match takes the
         # longest; and a twin of the tokenizer that reads them as plain text.
         self.control_strings = tuple(sorted({t.content for t in added.values() if t.special},
@@ -149,20 +163,33 @@ class Tokenizer:
         # text encoded on a worker thread leaves the event loop running.
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True,
+               keep: frozenset[int] = frozenset()) -> str:
+        """Text of `ids`; skipping special tokens, those in `keep` are still written."""
+        if skip_special_tokens and not keep.isdisjoint(ids):
+            ids = [i for i in ids if i in keep or i not in self._special_ids]
+            return self._tok.decode(ids, skip_special_tokens=False)
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def special_ids(self, texts: Iterable[str]) -> frozenset[int]:
+        """The control tokens whose text is one of `texts` (e.g. a tool-call marker, which the
+        output must keep for the tool-call parser)."""
+        wanted = set(texts)
+        return frozenset(i for i in self._special_ids if self._added[i] in wanted)
+
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> str:
+                    template_kwargs: dict[str, Any] | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
         """The chat template applied to `[{"role", "content"}, ...]`, as text: what
-        transformers' `apply_chat_template(messages, tokenize=False, ...)` gives. The template
-        sees the named special tokens, `tools` and `documents` (None), then `template_kwargs`
-        (a request's `chat_template_kwargs`, e.g. `enable_thinking`; they may override the
-        special tokens, as in transformers) and the messages, with None-valued keys dropped."""
+        transformers' `apply_chat_template(messages, tools=tools, tokenize=False, ...)` gives.
+        The template sees the named special tokens, `tools` and `documents` (None), then
+        `template_kwargs` (a request's `chat_template_kwargs`, e.g. `enable_thinking`; they may
+        override the special tokens, as in transformers) and the messages, with None-valued
+        keys dropped."""
         extra = template_kwargs or {}
         if reserved := sorted(RESERVED_TEMPLATE_VARS & extra.keys()):
             raise TemplateKwargsError(f"chat_template_kwargs may not set {', '.join(reserved)}")
-        variables = {**self.special_tokens, "tools": None, "documents": None, **extra}
+        variables = {**self.special_tokens, "tools": tools or None, "documents": None, **extra}
         try:
             return self._template.render(
                 variables,
@@ -177,29 +204,35 @@ class Tokenizer:
     def render_chat_pieces(self, messages: list[dict[str, Any]],
                            add_generation_prompt: bool = True,
                            template_kwargs: dict[str, Any] | None = None,
-                           controls_as_text: bool = True) -> list[tuple[str, bool]]:
+                           controls_as_text: bool = True,
+                           tools: list[dict[str, Any]] | None = None) -> list[tuple[str, bool]]:
         """The rendered conversation as (text, literal) pieces; a literal piece is a control
-        string from a message's text (content or name), to be tokenized as plain text. One
-        piece when no message holds a control string, or with ``controls_as_text=False``."""
+        string from the client's text (any string in the messages or the tools), to be
+        tokenized as plain text. One piece when no such text holds a control string, or with
+        ``controls_as_text=False``."""
         controls = self.control_strings
-        user_text = [v for m in messages for k in ("content", "name")
-                     if isinstance(v := m.get(k), str)]
-        if not controls_as_text or not any(c in v for v in user_text for c in controls):
-            return [(self.render_chat(messages, add_generation_prompt, template_kwargs), False)]
-        # Each control string in message text becomes a marker no text holds, rendered, then
-        # split on: the template may move message text about, the markers go with it.
+        if not controls_as_text or not any(c in v for v in _strings([messages, tools])
+                                           for c in controls):
+            return [(self.render_chat(messages, add_generation_prompt, template_kwargs, tools),
+                     False)]
+        # Each control string in client text becomes a marker no text holds, rendered, then
+        # split on: the template may move the text about, the markers go with it.
         mark = f"\U000f0000{secrets.token_hex(8)}"
         found = re.compile("|".join(map(re.escape, controls)))
         index = {c: i for i, c in enumerate(controls)}
 
-        def marked(text: Any) -> Any:
-            if not isinstance(text, str):
-                return text
-            return found.sub(lambda m: f"{mark}{index[m.group()]}\U000f0001", text)
+        def marked(value: Any) -> Any:
+            if isinstance(value, str):
+                return found.sub(lambda m: f"{mark}{index[m.group()]}\U000f0001", value)
+            if isinstance(value, dict):
+                return {marked(k): marked(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [marked(v) for v in value]
+            return value
 
         rendered = self.render_chat(
-            [{**m, "content": marked(m.get("content")), "name": marked(m.get("name"))}
-             for m in messages], add_generation_prompt, template_kwargs)
+            [{k: v if k == "role" else marked(v) for k, v in m.items()} for m in messages],
+            add_generation_prompt, template_kwargs, marked(tools))
         parts = re.split(f"{re.escape(mark)}(\\d+)\U000f0001", rendered)
         pieces = [(parts[0], False)]
         for i in range(1, len(parts), 2):
@@ -221,12 +254,13 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     template_kwargs: dict[str, Any] | None = None,
-                    controls_as_text: bool = True) -> list[int]:
+                    controls_as_text: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> list[int]:
         """A conversation's token ids: control strings in message text stay text (unless
         ``controls_as_text=False``, transformers' and vLLM's behaviour). The template writes
         BOS itself when the model wants it (as transformers does)."""
         return self.encode_pieces(self.render_chat_pieces(
-            messages, add_generation_prompt, template_kwargs, controls_as_text))
+            messages, add_generation_prompt, template_kwargs, controls_as_text, tools))
 
     def token_piece(self, token_id: int) -> str:
         """A token's vocabulary entry as stored (e.g. "Ġhello"), as vLLM's /tokenize shows it."""
@@ -251,10 +285,13 @@ class Tokenizer:
         """One token as text for logprobs (broken bytes shown as U+FFFD, as OpenAI does)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def detokenizer(self, prompt_ids: Sequence[int] = ()) -> IncrementalDetokenizer:
-        """A detokenizer for output that follows `prompt_ids` (whose text is not emitted)."""
+    def detokenizer(self, prompt_ids: Sequence[int] = (), keep: frozenset[int] = frozenset()
+                    ) -> IncrementalDetokenizer:
+        """A detokenizer for output that follows `prompt_ids` (whose text is not emitted),
+        writing the special tokens in `keep` and skipping the others."""
         tail = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
-        return IncrementalDetokenizer(self, tail, prefix_offset=0, read_offset=len(tail))
+        return IncrementalDetokenizer(self, tail, prefix_offset=0, read_offset=len(tail),
+                                      keep=keep)
 
 
 @dataclass
@@ -270,12 +307,14 @@ class IncrementalDetokenizer:
     tokens: list[int] = field(default_factory=list)
     prefix_offset: int = 0
     read_offset: int = 0  # tokens before it are context only (the prompt's tail)
+    keep: frozenset[int] = frozenset()  # special tokens written as text (tool-call markers)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly complete text (possibly empty)."""
         self.tokens.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset],
+                                            keep=self.keep)
+        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :], keep=self.keep)
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
@@ -286,8 +325,9 @@ class IncrementalDetokenizer:
         """At the end of the output: whatever is held back, broken bytes shown as U+FFFD."""
         if self.read_offset >= len(self.tokens):
             return ""
-        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :])
+        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset],
+                                            keep=self.keep)
+        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :], keep=self.keep)
         self.prefix_offset = self.read_offset = len(self.tokens)
         return new_text[len(prefix_text) :]
 

@@ -21,8 +21,9 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's bound)
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
 # What a structured output constrains to: a JSON schema ("" for any JSON object), a regular
-# expression, one of a JSON list of strings, or an EBNF grammar (xgrammar's dialect, as vLLM's).
-STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+# expression, one of a JSON list of strings, an EBNF grammar (xgrammar's dialect, as vLLM's),
+# or a structural tag (free text with schema-held sections after trigger strings).
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "structural_tag")
 MAX_STRUCTURED_CHARS = 65536  # a constraint's text; compiling it costs the worker
 
 
@@ -31,7 +32,7 @@ class StructuredOutput:
     """A constraint on the generated text, compiled to a grammar by the worker."""
 
     kind: str  # one of STRUCTURED_KINDS
-    spec: str  # the schema (JSON text), regex, choices (a JSON list) or grammar
+    spec: str  # the schema (JSON text), regex, choices (a JSON list), grammar or tag (JSON)
     field: str = "structured_outputs"  # the request field it came from, for error messages
 
 

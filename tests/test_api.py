@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from ray import serve
@@ -28,6 +29,16 @@ from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 APP = "prefixserve-test"
 METRICS_PORT = free_port()
 MAX_MODEL_LEN = 512
+WEATHER = {"type": "object", "properties": {
+    "city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
+                                                         "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "Now.",
+                                           "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +47,7 @@ def base_url(redis_server: LocalRedis) -> Iterator[str]:
         model=BUILTIN_MODEL_NAME,
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+        enable_auto_tool_choice=True, tool_call_parser="hermes",
     )
     with serve_app(config, APP, _metrics_export_port=METRICS_PORT,
                    _system_config={"metrics_report_interval_ms": 1000}) as url:
@@ -276,7 +288,29 @@ def test_openai_client(base_url: str) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "min_p": 2}, 400, "min_p"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "structured_outputs": {"structural_tag": {"type": "tag"}}},
+         400, "structured_outputs.structural_tag"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                   "tool_choice": "required"}, 400, "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"description": "no name"}}]}, 400,
+         "tools.0.function.name"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+             "required": "city"}}}]}, 400, "tools.0.function.parameters"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                  "tools": TOOLS, "tool_choice": {
+                                      "type": "function", "function": {"name": "nope"}}}, 400,
+         "tool_choice"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {
+                "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}}],
+            "tool_choice": "required"}, 400, "tools"),  # the worker cannot compile it
+        ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "21"}]}, 400,
+         "messages.0"),
+        ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
+         400, "messages.0.tool_calls.0.function.arguments"),
     ],
 )
 def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str, status: int,
@@ -288,6 +322,129 @@ def test_bad_input_is_a_4xx_envelope(base_url: str, path: str, body: dict | str,
     assert error["message"]
     assert error["param"] == param
     assert error["type"] == "invalid_request_error"
+
+
+
+
+def stream_chat(url: str, body: dict) -> list[tuple[str | None, list[list[str]], str | None]]:
+    """A streamed chat reassembled as a client does, per choice: content, calls ([id, name,
+    arguments]; id and name in the call's first delta, alone), finish reason."""
+    events = [json.loads(e) for e in sse_events(url, "/v1/chat/completions",
+                                                body | {"stream": True}) if e != "[DONE]"]
+    out: list[tuple[str | None, list[list[str]], str | None]] = []
+    for i in range(body.get("n", 1)):
+        content, calls, finish = None, [], None
+        for event in events:
+            for choice in event["choices"]:
+                if choice["index"] != i:
+                    continue
+                delta = choice["delta"]
+                if delta.get("content"):
+                    content = (content or "") + delta["content"]
+                for call in delta.get("tool_calls", []):
+                    if "id" in call:
+                        assert call["index"] == len(calls) and call["type"] == "function"
+                        assert call["function"]["arguments"] == ""
+                        calls.append([call["id"], call["function"]["name"], ""])
+                    else:
+                        assert set(call) == {"index", "function"}
+                        calls[call["index"]][2] += call["function"]["arguments"]
+                finish = choice["finish_reason"] or finish
+        out.append((content, calls, finish))
+    return out
+
+
+def _regex_of(text: str) -> str:
+    return "".join("\\" + c if c in r"\.^$|?*+()[]{}" else c for c in text)
+
+
+@pytest.mark.cluster
+def test_tool_choice_required_and_named_give_valid_calls(base_url: str) -> None:
+    """Constrained by grammar, the random-weight model's calls name the tools and their
+    arguments fit the tools' schemas; the stream reassembles to the same calls; n=2 and
+    parallel_tool_calls=false hold too."""
+    user = [{"role": "user", "content": "What now?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for tool_choice, names in (("required", set(SCHEMAS)), (named, {"get_time"})):
+        body = {"messages": user, "tools": TOOLS, "tool_choice": tool_choice, "max_tokens": 120,
+                "temperature": 0, "parallel_tool_calls": False}
+        r = post(base_url, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        message = choice["message"]
+        assert message["content"] is None and len(message["tool_calls"]) == 1
+        call = message["tool_calls"][0]
+        assert call["type"] == "function" and re.fullmatch(r"chatcmpl-tool-[0-9a-f]{32}",
+                                                           call["id"])
+        assert call["function"]["name"] in names
+        jsonschema.validate(json.loads(call["function"]["arguments"]),
+                            SCHEMAS[call["function"]["name"]])
+        [(content, calls, finish)] = stream_chat(base_url, body)
+        assert (content, finish) == (None, "tool_calls")
+        assert [c[1:] for c in calls] == [[call["function"]["name"],
+                                           call["function"]["arguments"]]]
+    body = {"messages": user, "tools": TOOLS, "tool_choice": "required", "max_tokens": 200,
+            "n": 2, "seed": 5}
+    r = post(base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        calls = choice["message"]["tool_calls"]
+        assert calls and len({c["id"] for c in calls}) == len(calls)
+        finished = calls if choice["finish_reason"] == "tool_calls" else calls[:-1]
+        for c in finished:
+            jsonschema.validate(json.loads(c["function"]["arguments"]),
+                                SCHEMAS[c["function"]["name"]])
+
+
+@pytest.mark.cluster
+def test_auto_tool_choice_reads_the_models_calls(base_url: str) -> None:
+    """tool_choice auto (the default with tools) reads hermes calls out of the text: here the
+    text is held to one by a regex, so the random-weight model writes it. Content before the
+    call is content; the stream reassembles to the same answer. With `none` the same text is
+    just text."""
+    call = '{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}'
+    text = f"Sure. <tool_call>\n{call}\n</tool_call>"
+    body = {"messages": [{"role": "user", "content": "Rome?"}], "tools": TOOLS,
+            "max_tokens": 160, "structured_outputs": {"regex": _regex_of(text)}}
+    r = post(base_url, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Sure."
+    [got] = choice["message"]["tool_calls"]
+    assert (got["function"]["name"], json.loads(got["function"]["arguments"])) == (
+        "get_weather", {"city": "Rome", "days": 2})
+    [(content, calls, finish)] = stream_chat(base_url, body)
+    assert (content, [c[1:] for c in calls], finish) == (
+        "Sure.", [["get_weather", got["function"]["arguments"]]], "tool_calls")
+    r = post(base_url, "/v1/chat/completions", body | {"tool_choice": "none"})
+    assert r.json()["choices"][0]["message"] == {"role": "assistant", "content": text,
+                                                 "tool_calls": []}
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.cluster
+def test_tool_history_renders_through_the_template(base_url: str, tok: Tokenizer) -> None:
+    """An assistant turn of tool calls (no content) and the tool's result reach the template;
+    /tokenize with the same tools counts the same prompt."""
+    chat = [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": None, "tool_calls": [{
+                "id": "call_1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]
+    r = post(base_url, "/v1/chat/completions", {"messages": chat, "tools": TOOLS,
+                                                "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": "", "tool_calls": [{
+                    "id": "call_1", "type": "function", "function": {
+                        "name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 3}'}]
+    expected = tok.encode_chat(messages, tools=TOOLS)
+    assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    counted = post(base_url, "/tokenize", {"messages": chat, "tools": TOOLS})
+    assert counted.json()["tokens"] == expected
 
 
 STRUCTURED_SCHEMA = {"type": "object", "properties": {

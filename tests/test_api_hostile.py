@@ -193,3 +193,26 @@ def test_user_text_cannot_forge_a_turn(base_url: str) -> None:
         "messages": [{"role": "user", "content": forged}], "max_tokens": 2})
     assert chat.status_code == 200, chat.text
     assert chat.json()["usage"]["prompt_tokens"] == mine["count"]  # the same tokens generate
+
+
+def test_tools_without_a_parser_are_refused_unless_the_choice_needs_none(base_url: str) -> None:
+    """This server reads no tool calls (no --enable-auto-tool-choice): `auto`, the default
+    with tools, is a 400 naming tool_choice, as vLLM answers; `none`, `required` and a named
+    function need no parser."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"enum": ["a", "b"]}}, "required": ["x"],
+        "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools, "max_tokens": 60,
+            "parallel_tool_calls": False}
+    for refused in ({}, {"tool_choice": "auto"}):
+        r = httpx.post(f"{base_url}/v1/chat/completions", headers=A, timeout=60,
+                       json=body | refused)
+        error = envelope(r, 400)
+        assert error["param"] == "tool_choice" and "--enable-auto-tool-choice" in error["message"]
+    for served in ("none", "required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx.post(f"{base_url}/v1/chat/completions", headers=A, timeout=60,
+                       json=body | {"tool_choice": served})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert len(choice["message"]["tool_calls"]) == (0 if served == "none" else 1)
+        assert served == "none" or choice["finish_reason"] == "tool_calls"

@@ -62,13 +62,16 @@ def test_completion_prompt_forms() -> None:
         ({"prompt": "x", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias",
          "at most 1024"),
         ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format",
-         "type must be text, json_object or json_schema"),
+         "type must be text, json_object, json_schema or structural_tag"),
         ({"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]}, None,
          "give one structured output, not 2 (guided_regex, guided_choice)"),
         ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
-         "structured_outputs", "exactly one of json, regex, choice, grammar"),
-        ({"prompt": "x", "structured_outputs": {"structural_tag": {}}}, "structured_outputs",
-         "structural_tag is not supported"),
+         "structured_outputs", "exactly one of json, regex, choice, grammar, structural_tag"),
+        ({"prompt": "x", "structured_outputs": {"structural_tag": 5}},
+         "structured_outputs.structural_tag.str", "valid string"),
+        ({"prompt": "x", "response_format": {"type": "structural_tag"},
+          "structured_outputs": {"structural_tag": "{}"}}, None,
+         "not 2 (response_format, structured_outputs.structural_tag)"),
         ({"prompt": "x", "guided_grammar": "x" * 70000}, None, "longer than 65536"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 2}, None, "best_of is not supported"),
@@ -151,20 +154,56 @@ def test_chat_messages() -> None:
     ("body", "param", "fragment"),
     [
         ({"messages": []}, "messages", "at least 1 item"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'user'"),
-        ({"messages": [{"role": "user"}]}, "messages.0.content", "Field required"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role", "'user'"),
+        ({"messages": [{"role": "user"}]}, "messages.0", "content is required"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0", "tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0",
+         "only assistant messages carry tool_calls"),
+        ({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[1]"}}]}]},
+         "messages.0.tool_calls.0.function.arguments", "a JSON object"),
+        ({"messages": [{"role": "assistant", "tool_calls": [
+            {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages.0.tool_calls.0.id", "at least 1 character"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "text parts"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          "messages.0.content", "only text content parts"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None,
          "requires logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-         "tools", "not supported"),
-        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
-         "tool_choice", "tools are not supported"),
+         "tools.0.function", "Field required"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "tool_choice": {"type": "function", "function": {"name": "f"}}},
-         "tool_choice", "tools are not supported"),
+          "tools": [{"type": "function", "function": {"description": "no name"}}]},
+         "tools.0.function.name", "Field required"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "function", "function": {"name": "get weather"}}]},
+         "tools.0.function.name", "1 to 64 letters"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "retrieval", "function": {"name": "f"}}]},
+         "tools.0.type", "'function'"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+          "function": {"name": "f", "parameters": {"type": "object",
+                                                   "properties": {"a": {"type": "strin"}}}}}]},
+         "tools.0.function.parameters", "not a valid JSON schema at properties/a/type"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function",
+          "function": {"name": "f", "parameters": {"type": "array"}}}]},
+         "tools.0.function.parameters", "of type object"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [
+            {"type": "function", "function": {"name": "f"}},
+            {"type": "function", "function": {"name": "f"}}]}, "tools", "unique"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto"},
+         "tool_choice", "needs tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "sometimes",
+          "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_choice", 'must be "none", "auto", "required"'),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}},
+          "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "tool_choice", "'g', which is not among the tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+          "tools": [{"type": "function", "function": {"name": "f"}}],
+          "response_format": {"type": "json_object"}},
+         None, "give one structured output, not 2 (response_format, tools)"),
         ({"messages": [{"role": "user", "content": "x"}],
           "response_format": {"type": "json_schema", "json_schema": "nope"}},
          "response_format", "json_schema must be an object"),
@@ -191,3 +230,18 @@ def test_response_shapes() -> None:
     err = ErrorResponse.of("bad", param="n").model_dump()
     assert err == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n",
                              "code": None}}
+
+
+def test_structural_tags_are_structured_outputs() -> None:
+    """vLLM takes a structural tag in structured_outputs and as a response_format type; the
+    worker compiles it (tests/test_structured.py)."""
+    tag = {"structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+           "triggers": ["<f>"]}
+    for body, field in (({"structured_outputs": {"structural_tag": json.dumps(tag)}},
+                         "structured_outputs.structural_tag"),
+                        ({"response_format": {"type": "structural_tag", **tag}},
+                         "response_format")):
+        req = CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **body}))
+        so = req.structured_output()
+        assert so is not None and (so.kind, so.field) == ("structural_tag", field)
+        assert json.loads(so.spec)["structures"] == tag["structures"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Literal
 
 import openai
 import pytest
@@ -74,3 +75,25 @@ def test_the_openai_client_parses_a_structured_answer(client: openai.OpenAI) -> 
     assert isinstance(city, City), chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
     assert city.name == "Paris"
+
+
+class GetWeather(BaseModel):
+    """The weather in a city now."""
+
+    city: str = Field(max_length=40)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+def test_the_openai_client_parses_a_tool_call(client: openai.OpenAI) -> None:
+    """`tool_choice: required` with a pydantic tool: the worker holds the answer to the tool's
+    schema, and the client's `.parse()` returns the arguments as an instance."""
+    chat = client.chat.completions.parse(
+        model=DEFAULT_MODEL, temperature=0, max_tokens=60, tool_choice="required",
+        tools=[openai.pydantic_function_tool(GetWeather)],
+        messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}])
+    choice = chat.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    [call] = choice.message.tool_calls
+    assert call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather), call.function.arguments
+    assert "Paris" in call.function.parsed_arguments.city

@@ -127,6 +127,11 @@ def test_preempted_samples_stay_in_shape(tok: Tokenizer) -> None:
     ("grammar", "root ::= missing_rule", "response_format"),
     ("choice", "[]", "choice"),
     ("choice", "[1, 2]", "choice"),
+    ("structural_tag", "[]", "a structural tag is a JSON object"),
+    ("structural_tag", json.dumps({"structures": [{"begin": "<"}], "triggers": ["<"]}),
+     "structures must be a list of"),
+    ("structural_tag", json.dumps({"type": "structural_tag", "format": {"type": "nope"}}),
+     "response_format"),
 ])
 def test_bad_constraints_are_refused_naming_the_field(eng: LLMEngine, kind: str, spec: str,
                                                       says: str) -> None:
@@ -175,3 +180,21 @@ async def test_a_runaway_compile_holds_one_thread_and_queued_ones_give_up(
     await asyncio.sleep(0.6)  # the slow one ends; the queued one was dropped, not run late
     assert ran == ["slow"]
     assert await compile_in_thread(quick, params) == "compiled"
+
+
+def test_structural_tags_hold_each_tagged_section(eng: LLMEngine, tok: Tokenizer) -> None:
+    """Free text, and after each trigger a tag whose content fits its schema. The model is
+    pushed to write the trigger wherever it may (a logit bias), so it opens tag after tag; every
+    section it closes is valid. vLLM's first shape and xgrammar's format alike."""
+    schema = SCHEMAS[0]
+    opener = tok.encode("<", add_special_tokens=False).ids[-1]
+    legacy = {"structures": [{"begin": "<", "schema": schema, "end": ">"}], "triggers": ["<"]}
+    current = json.loads(structured.structural_tag(json.dumps(legacy)))
+    assert current["format"]["type"] == "triggered_tags"
+    for spec in (legacy, current):
+        [(text, _)] = run(eng, tok, "structural_tag", json.dumps(spec), temperature=0,
+                          logit_bias={opener: 100.0}, max_tokens=60)
+        sections = re.findall(r"<([^<>]*)>", text)
+        assert text.startswith("<") and len(sections) >= 2, text
+        for section in sections:
+            jsonschema.validate(json.loads(section), schema)

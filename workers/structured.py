@@ -2,7 +2,8 @@
 sample's matcher, whose token bitmask the engine applies to the logits before sampling.
 
 Grammars are xgrammar's (as vLLM's and SGLang's): a JSON schema, a regular expression, a choice
-among strings or an EBNF grammar becomes a `CompiledGrammar` against this model's vocabulary.
+among strings, an EBNF grammar or a structural tag becomes a `CompiledGrammar` against this
+model's vocabulary.
 The compiler, and its vocabulary tables, are built on the first constrained request, so an
 engine that never sees one pays nothing; its cache of compiled grammars is bounded in bytes.
 Compiling runs off the engine loop, on one thread per process, within a time limit.
@@ -73,6 +74,8 @@ class GrammarCompiler:
                 return compiler.compile_regex(so.spec)
             if so.kind == "choice":
                 return compiler.compile_grammar(choice_grammar(so.spec))
+            if so.kind == "structural_tag":
+                return compiler.compile_structural_tag(structural_tag(so.spec))
             return compiler.compile_grammar(so.spec)
         except Exception as exc:  # xgrammar's parse and compile errors: the client's input
             raise InvalidRequestError(f"{so.field}: {_first_line(exc)}", so.field) from None
@@ -110,6 +113,30 @@ def choice_grammar(spec: str) -> str:
             and all(isinstance(c, str) and c for c in choices)):
         raise ValueError("choice must be a non-empty list of non-empty strings")
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def structural_tag(spec: str) -> str:
+    """xgrammar's structural tag (`{"type": "structural_tag", "format": ...}`), as JSON text.
+    vLLM's first shape, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`,
+    becomes the format it stands for: free text, and after a trigger one of the tags, its
+    content held to its schema."""
+    tag = json.loads(spec)
+    if not isinstance(tag, dict):
+        raise ValueError("a structural tag is a JSON object")
+    if "structures" not in tag:
+        return spec
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not (isinstance(structures, list) and isinstance(triggers, list) and all(
+            isinstance(s, dict) and isinstance(s.get("begin"), str)
+            and isinstance(s.get("end"), str) and isinstance(s.get("schema"), dict | bool)
+            for s in structures)):
+        raise ValueError("structures must be a list of {begin, schema, end} and triggers a "
+                         "list of strings")
+    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+             "content": {"type": "json_schema", "json_schema": s["schema"]}}
+            for s in structures]
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
 def new_matcher(grammar: xgr.CompiledGrammar | None) -> xgr.GrammarMatcher | None:
