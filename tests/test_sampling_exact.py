@@ -45,8 +45,8 @@ INF = float("inf")
          "logit_bias must map token ids to biases in [-100.0, 100.0], got {1: 101.0}"),
         ("structured", StructuredOutput("yaml", "x"),
          "structured must be a StructuredOutput of a kind in ('json', 'regex', 'choice', "
-         "'grammar', 'structural_tag') with at most 65536 characters, got StructuredOutput(kind='yaml', "
-         "spec='x', field='structured_outputs')"),
+         "'grammar', 'structural_tag') with at most 65536 characters, got "
+         "StructuredOutput(kind='yaml', spec='x', field='structured_outputs')"),
     ],
 )
 def test_validate_message_names_field_rule_and_value(field: str, value: object, message: str):

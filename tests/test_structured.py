@@ -6,9 +6,12 @@ built-in random-weight model writes the tokens, so only the grammar keeps them i
 from __future__ import annotations
 
 import asyncio
+import glob
 import json
+import os
 import re
 import time
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -17,6 +20,7 @@ from tokenizers import Tokenizer
 from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
 from prefixserve.workers import structured
 from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.compile_process import structural_tag
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import InvalidRequestError
@@ -154,12 +158,13 @@ async def test_compiling_runs_off_the_loop_within_its_time_limit(
     with pytest.raises(InvalidRequestError, match=r"did not compile within 0\.05 s") as info:
         await compile_in_thread(slow, params)
     assert info.value.param == "guided_regex"
+    await asyncio.sleep(0.5)  # the slow one ends: the next test finds both threads free
 
 
-async def test_a_runaway_compile_holds_one_thread_and_queued_ones_give_up(
+async def test_compiles_run_two_at_a_time_and_queued_ones_give_up(
         eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiles run one at a time: behind a slow one, a queued compile is refused when its time
-    is up and never runs."""
+    """Two compiles run at once: behind two slow ones, a queued compile is refused when its
+    time is up and never runs."""
     params = SamplingParams(structured=StructuredOutput("regex", "[a-z]+", "guided_regex"))
     ran: list[str] = []
 
@@ -171,15 +176,66 @@ async def test_a_runaway_compile_holds_one_thread_and_queued_ones_give_up(
         ran.append("quick")
         return "compiled"
 
-    assert await compile_in_thread(quick, params) == "compiled"  # the thread is free again
+    assert await compile_in_thread(quick, params) == "compiled"  # the threads are free again
     ran.clear()
     monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.2)
-    results = await asyncio.gather(compile_in_thread(slow, params),
-                                   compile_in_thread(quick, params), return_exceptions=True)
+    results = await asyncio.gather(
+        compile_in_thread(slow, params), compile_in_thread(slow, params),
+        compile_in_thread(quick, params), return_exceptions=True)
     assert all(isinstance(r, InvalidRequestError) for r in results)
-    await asyncio.sleep(0.6)  # the slow one ends; the queued one was dropped, not run late
-    assert ran == ["slow"]
+    await asyncio.sleep(0.6)  # the slow ones end; the queued one was dropped, not run late
+    assert ran == ["slow", "slow"]
     assert await compile_in_thread(quick, params) == "compiled"
+
+
+# Eight string patterns with a long bounded repetition: xgrammar compiles each for seconds
+# even over the built-in model's 264-token vocabulary (~3 s each on a 2-vCPU EPYC).
+RUNAWAY = {"type": "object", "properties": {
+    f"p{i}": {"type": "string", "pattern": f"^([a-z{c}]{{3,40}}[0-9]{{2,9}}){{5,1000}}$"}
+    for i, c in enumerate("ABCDEFGH")}, "required": [f"p{i}" for i in range(8)]}
+
+
+def _compile_children() -> set[int]:
+    """This process's live compile children."""
+    found = set()
+    for proc in glob.glob("/proc/[0-9]*"):
+        try:
+            fields = Path(proc, "stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(proc, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z" and b"compile_process" in cmdline:
+            found.add(int(proc.split("/")[2]))
+    return found
+
+
+async def test_a_runaway_compile_is_stopped_at_its_limit(
+        eng: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile is killed with its child process when its time is up, and a fresh child
+    compiles the next constraint; meanwhile the other compile thread serves the others."""
+    grammars = eng.grammars
+    assert grammars is not None
+    quick = SamplingParams(structured=StructuredOutput("regex", "[0-9]+", "guided_regex"))
+    assert await compile_in_thread(eng.compile, quick) is not None  # a child is up
+    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 3.0)
+    runaway = SamplingParams(structured=StructuredOutput("json", json.dumps(RUNAWAY),
+                                                         "response_format"))
+    task = asyncio.ensure_future(compile_in_thread(eng.compile, runaway))
+    await asyncio.sleep(0.5)
+    during = _compile_children()
+    other = SamplingParams(structured=StructuredOutput("regex", "[a-f]+", "guided_regex"))
+    assert await compile_in_thread(eng.compile, other) is not None  # beside the runaway
+    with pytest.raises(InvalidRequestError, match="did not compile within 3 s") as info:
+        await task
+    assert info.value.param == "response_format"
+    deadline = time.monotonic() + 10  # the request's 400 may come just before the kill
+    while len(after := _compile_children()) < len(during) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert len(during - after) == 1  # the runaway's child was killed, and reaped
+    assert len(after) == len(during)  # ... and replaced at once
+    assert set(grammars.child_pids()) <= after
+    again = SamplingParams(structured=StructuredOutput("regex", "[g-k]+", "guided_regex"))
+    assert await compile_in_thread(eng.compile, again) is not None
 
 
 def test_structural_tags_hold_each_tagged_section(eng: LLMEngine, tok: Tokenizer) -> None:
@@ -189,7 +245,7 @@ def test_structural_tags_hold_each_tagged_section(eng: LLMEngine, tok: Tokenizer
     schema = SCHEMAS[0]
     opener = tok.encode("<", add_special_tokens=False).ids[-1]
     legacy = {"structures": [{"begin": "<", "schema": schema, "end": ">"}], "triggers": ["<"]}
-    current = json.loads(structured.structural_tag(json.dumps(legacy)))
+    current = json.loads(structural_tag(json.dumps(legacy)))
     assert current["format"]["type"] == "triggered_tags"
     for spec in (legacy, current):
         [(text, _)] = run(eng, tok, "structural_tag", json.dumps(spec), temperature=0,

@@ -3,10 +3,12 @@ sample's matcher, whose token bitmask the engine applies to the logits before sa
 
 Grammars are xgrammar's (as vLLM's and SGLang's): a JSON schema, a regular expression, a choice
 among strings, an EBNF grammar or a structural tag becomes a `CompiledGrammar` against this
-model's vocabulary.
-The compiler, and its vocabulary tables, are built on the first constrained request, so an
-engine that never sees one pays nothing; its cache of compiled grammars is bounded in bytes.
-Compiling runs off the engine loop, on one thread per process, within a time limit.
+model's vocabulary. The vocabulary's tables are built on the first constrained request, so an
+engine that never sees one pays nothing. Compiling runs off the engine loop, on two threads per
+process, each handing its compile to a child process (workers/compile_process.py) that is
+killed when the compile runs past its time limit: a constraint built to compile for a minute
+gets its 400 and costs no more than that, and another compile can run beside it. Compiled
+grammars are cached in this process, bounded in bytes.
 
 Per sample, a `GrammarMatcher` follows the tokens sampled so far. At a step with constrained
 samples, `mask_logits` sets every token their grammars refuse to -inf (stop tokens are allowed
@@ -18,8 +20,8 @@ sample keeps its matcher, and its recomputed prompt is not replayed through it.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,13 +31,15 @@ import torch
 import xgrammar as xgr
 
 from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
+from prefixserve.workers.compile_process import CompileError, CompileProcess, CompileTimeout
 from prefixserve.workers.errors import InvalidRequestError
 
 COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused (400)
-CACHE_BYTES = 256 * 2**20  # compiled grammars kept, at most
-# One thread compiles, for every engine in the process: xgrammar releases the GIL while it
-# works, so it costs the engine one core at most, whatever clients send.
-_COMPILE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+CACHE_BYTES = 256 * 2**20  # compiled grammars kept, at most (counted as serialized)
+# Two threads compile, for every engine in the process, each waiting on a child process: a
+# runaway compile holds one of them (and one child's core, at low priority) until its limit.
+COMPILE_THREADS = 2
+_COMPILE_POOL = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
 
 
 class GrammarCompiler:
@@ -45,98 +49,104 @@ class GrammarCompiler:
         self.tokenizer_path = tokenizer_path
         self.vocab_size = vocab_size
         self.stop_ids = list(stop_ids)
-        self._compiler: xgr.GrammarCompiler | None = None
+        self._info: xgr.TokenizerInfo | None = None
+        self._info_json = ""
+        self._idle: list[CompileProcess] = []  # children waiting for a compile
+        self._started = False
+        self._cache: OrderedDict[tuple[str, str], tuple[xgr.CompiledGrammar, int]] = \
+            OrderedDict()
+        self._cached_bytes = 0
         self._lock = threading.Lock()
 
-    def _get(self) -> xgr.GrammarCompiler:
+    def _tokenizer_info(self) -> xgr.TokenizerInfo:
         with self._lock:
-            if self._compiler is None:
+            if self._info is None:
                 from transformers import PreTrainedTokenizerFast
 
                 tok = PreTrainedTokenizerFast(
                     tokenizer_file=str(self.tokenizer_path / "tokenizer.json"))
-                info = xgr.TokenizerInfo.from_huggingface(
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     tok, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
-                                                     cache_limit_bytes=CACHE_BYTES)
-            return self._compiler
+                self._info_json = self._info.serialize_json()
+            return self._info
 
     def compile(self, so: StructuredOutput) -> xgr.CompiledGrammar:
         """The constraint's grammar; InvalidRequestError naming its field when it does not
-        compile."""
-        compiler = self._get()
+        compile, or not within COMPILE_TIMEOUT_S (its child is then killed)."""
+        key = (so.kind, so.spec)
+        with self._lock:
+            if (hit := self._cache.get(key)) is not None:
+                self._cache.move_to_end(key)
+                return hit[0]
+        info = self._tokenizer_info()
+        child = self._take()
         try:
-            if so.kind == "json":
-                if not so.spec:
-                    return compiler.compile_builtin_json_grammar()
-                return compiler.compile_json_schema(so.spec, any_whitespace=False)
-            if so.kind == "regex":
-                return compiler.compile_regex(so.spec)
-            if so.kind == "choice":
-                return compiler.compile_grammar(choice_grammar(so.spec))
-            if so.kind == "structural_tag":
-                return compiler.compile_structural_tag(structural_tag(so.spec))
-            return compiler.compile_grammar(so.spec)
-        except Exception as exc:  # xgrammar's parse and compile errors: the client's input
-            raise InvalidRequestError(f"{so.field}: {_first_line(exc)}", so.field) from None
+            text = child.compile(so.kind, so.spec, COMPILE_TIMEOUT_S)
+        except CompileTimeout:
+            raise InvalidRequestError(f"{so.field}: the constraint did not compile within "
+                                      f"{COMPILE_TIMEOUT_S:g} s", so.field) from None
+        except CompileError as exc:
+            raise InvalidRequestError(f"{so.field}: {exc}", so.field) from None
+        finally:
+            self._give_back(child)
+        grammar = xgr.CompiledGrammar.deserialize_json(text, info)
+        self._remember(key, grammar, len(text))
+        return grammar
+
+    def child_pids(self) -> list[int]:
+        """The idle children's process ids (tests watch a runaway's child go)."""
+        with self._lock:
+            return [c.pid for c in self._idle]
+
+    def _take(self) -> CompileProcess:
+        """An idle child; the first time, one per compile thread is started, so a second
+        compile never waits for a child to start (~3 s) while a first one runs."""
+        with self._lock:
+            if not self._started:
+                self._started = True
+                self._idle += [CompileProcess(self._info_json, CACHE_BYTES)
+                               for _ in range(COMPILE_THREADS)]
+            if self._idle:
+                return self._idle.pop()
+        return CompileProcess(self._info_json, CACHE_BYTES)
+
+    def _give_back(self, child: CompileProcess) -> None:
+        """Back to the idle ones; a killed child is replaced at once, so its successor has
+        started by the next compile."""
+        if not child.alive:
+            child = CompileProcess(self._info_json, CACHE_BYTES)
+        with self._lock:
+            self._idle.append(child)
+
+    def _remember(self, key: tuple[str, str], grammar: xgr.CompiledGrammar, size: int) -> None:
+        with self._lock:
+            if key in self._cache:
+                return
+            self._cache[key] = (grammar, size)
+            self._cached_bytes += size
+            while self._cached_bytes > CACHE_BYTES and len(self._cache) > 1:
+                _, (_, dropped) = self._cache.popitem(last=False)
+                self._cached_bytes -= dropped
 
 
 async def compile_in_thread(compile_: Callable[[SamplingParams], Any] | None,
                             params: SamplingParams) -> Any:
-    """`compile_(params)` (an engine's `compile`) on the process's one compile thread, within
-    COMPILE_TIMEOUT_S (waiting for the thread included); past it, a 400. A compile cannot be
-    stopped once it runs: a runaway one finishes in the background, into the cache, and holds
-    one core, never more (a schema of 20 strings of `maxLength` 200 compiles for ~54 s). A
-    compile still queued when its request gives up is dropped. None: the engine cannot
-    constrain (a simulated one)."""
+    """`compile_(params)` (an engine's `compile`) on the process's compile threads, within
+    COMPILE_TIMEOUT_S (waiting for a thread included); past it, a 400. The compile itself is
+    stopped at its limit (its child is killed); a compile still queued when its request gives
+    up is dropped. None: the engine cannot constrain (a simulated one)."""
     params.validate()
     assert params.structured is not None
     if compile_ is None:
         raise InvalidRequestError(f"{params.structured.field}: structured outputs need a real "
                                   "model, not a simulated one", params.structured.field)
     try:
-        running = asyncio.get_running_loop().run_in_executor(_COMPILE_THREAD, compile_, params)
+        running = asyncio.get_running_loop().run_in_executor(_COMPILE_POOL, compile_, params)
         return await asyncio.wait_for(running, COMPILE_TIMEOUT_S)
     except asyncio.TimeoutError:
         raise InvalidRequestError(f"{params.structured.field}: the constraint did not compile "
                                   f"within {COMPILE_TIMEOUT_S:g} s",
                                   params.structured.field) from None
-
-
-def choice_grammar(spec: str) -> str:
-    """EBNF for "exactly one of these strings" (`spec`: a JSON list of strings)."""
-    try:
-        choices = json.loads(spec)
-    except json.JSONDecodeError:
-        choices = None
-    if not (isinstance(choices, list) and choices
-            and all(isinstance(c, str) and c for c in choices)):
-        raise ValueError("choice must be a non-empty list of non-empty strings")
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-def structural_tag(spec: str) -> str:
-    """xgrammar's structural tag (`{"type": "structural_tag", "format": ...}`), as JSON text.
-    vLLM's first shape, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`,
-    becomes the format it stands for: free text, and after a trigger one of the tags, its
-    content held to its schema."""
-    tag = json.loads(spec)
-    if not isinstance(tag, dict):
-        raise ValueError("a structural tag is a JSON object")
-    if "structures" not in tag:
-        return spec
-    structures, triggers = tag["structures"], tag.get("triggers")
-    if not (isinstance(structures, list) and isinstance(triggers, list) and all(
-            isinstance(s, dict) and isinstance(s.get("begin"), str)
-            and isinstance(s.get("end"), str) and isinstance(s.get("schema"), dict | bool)
-            for s in structures)):
-        raise ValueError("structures must be a list of {begin, schema, end} and triggers a "
-                         "list of strings")
-    tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
-             "content": {"type": "json_schema", "json_schema": s["schema"]}}
-            for s in structures]
-    return json.dumps({"type": "structural_tag", "format": {
-        "type": "triggered_tags", "triggers": triggers, "tags": tags}})
 
 
 def new_matcher(grammar: xgr.CompiledGrammar | None) -> xgr.GrammarMatcher | None:
@@ -160,8 +170,3 @@ def accept(matchers: Sequence[xgr.GrammarMatcher | None], token_ids: Sequence[in
     for m, tok in zip(matchers, token_ids, strict=True):
         if m is not None and not m.is_terminated():
             m.accept_token(tok)
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]

@@ -1,5 +1,7 @@
 """Structured outputs' cost in the engine: decode tokens/s of a batch of JSON-schema requests
-against the same batch unconstrained, and grammar compile time per schema, cold and cached.
+against the same batch unconstrained, grammar compile time per schema, cold and cached, and a
+runaway compile (a schema built to compile for ~45 s) beside decoding: when it is refused, a
+compile beside it, and the unconstrained batch's pace meanwhile.
 
     python -m prefixserve.bench.micro.structured_bench            # the default real model
     python -m prefixserve.bench.micro.structured_bench --quick    # fewer requests and rounds
@@ -19,6 +21,7 @@ import logging
 import platform
 import statistics
 import sys
+import threading
 import time
 
 from prefixserve.bench.load.machine import cpu_name
@@ -26,6 +29,8 @@ from prefixserve.router.sampling_params import SamplingParams, StructuredOutput
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.structured import COMPILE_TIMEOUT_S
 
 SCHEMAS = [
     {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
@@ -45,6 +50,10 @@ SCHEMAS = [
         "done": {"type": "boolean"}}, "required": ["step", "done"],
         "additionalProperties": False}, "maxItems": 4},
 ]
+# eight string patterns with a long bounded repetition: ~5 s each over SmolLM2's vocabulary
+RUNAWAY = {"type": "object", "properties": {
+    f"p{i}": {"type": "string", "pattern": f"^([a-z{c}]{{3,40}}[0-9]{{2,9}}){{5,1000}}$"}
+    for i, c in enumerate("ABCDEFGH")}, "required": [f"p{i}" for i in range(8)]}
 TOPICS = ["Paris", "a football match", "a mountain trip", "the stock market", "a recipe",
           "a train delay", "a new phone", "a museum"]
 
@@ -110,7 +119,36 @@ def main(argv: list[str] | None = None) -> int:
     json_rate = statistics.median(rates["json schema"])
     print(f"decode tok/s (median of {args.rounds}): unconstrained {base:.1f}, json schema "
           f"{json_rate:.1f}; ratio {json_rate / base:.3f} (overhead {1 - json_rate / base:+.1%})")
+    _runaway(eng, prompts, free, base)
     return 0
+
+
+def _runaway(eng: LLMEngine, prompts: list[list[int]], free: list[SamplingParams],
+             base: float) -> None:
+    """A runaway compile on one compile slot: when it is refused, a cold compile on the other
+    slot meanwhile, and the unconstrained batch's decode rate while it runs."""
+    grammars = eng.grammars
+    assert grammars is not None
+    refused: list[float] = []
+
+    def run_away() -> None:
+        start = time.perf_counter()
+        try:
+            grammars.compile(StructuredOutput("json", json.dumps(RUNAWAY)))
+        except InvalidRequestError:
+            refused.append(time.perf_counter() - start)
+
+    thread = threading.Thread(target=run_away)
+    thread.start()
+    time.sleep(0.5)
+    fresh = StructuredOutput("json", json.dumps(SCHEMAS[1], indent=7))  # not cached
+    beside = _timed(lambda: grammars.compile(fresh))
+    seconds, made = _run(eng, prompts, free)
+    thread.join()
+    rate = sum(made) / seconds
+    print(f"runaway compile: refused after {refused[0]:.1f} s (limit {COMPILE_TIMEOUT_S:g} s); "
+          f"a cold compile beside it {beside * 1e3:.1f} ms; unconstrained decode meanwhile "
+          f"{rate:.1f} tok/s, ratio {rate / base:.3f} to the median above")
 
 
 def _timed(fn) -> float:
