@@ -95,7 +95,7 @@ class ToolCallReader:
         self._buffer = ""  # text not yet decided
         self._held = ""  # trailing whitespace of the content: dropped if a call follows
         self._skipped = ""  # markers and separators since the last call or content
-        self._region_calls = 0  # calls since the last content
+        self._region_called = False  # a call since the last content
         self._scanner: CallScanner | None = None
         self._sent_args = 0  # characters of the current call's arguments sent
         self._index: int | None = None  # the current call's index, once its name is sent
@@ -116,9 +116,9 @@ class ToolCallReader:
         out = ReaderOutput()
         if self._state is _State.IN_CALL and self._index is None:
             assert self._scanner is not None
-            skipped = "" if self._region_calls else self._skipped
+            skipped = "" if self._region_called else self._skipped
             self._to_content(out, skipped + self._scanner.text + self._buffer)
-        elif self._state is _State.BETWEEN and not self._region_calls:
+        elif self._state is _State.BETWEEN and not self._region_called:
             self._to_content(out, self._skipped + self._buffer)
         elif self._state is _State.CONTENT:
             self._content(out, self._buffer)
@@ -144,7 +144,7 @@ class ToolCallReader:
             self._content(out, self._buffer[:i])
             self._skipped, self._held = self._held + marker, ""
             self._buffer = self._buffer[i + len(marker):]
-            self._state, self._region_calls = _State.BETWEEN, 0
+            self._state, self._region_called = _State.BETWEEN, False
             return True
         keep = _partial_marker(self._buffer, self.fmt.markers)
         self._content(out, self._buffer[:len(self._buffer) - keep])
@@ -168,9 +168,8 @@ class ToolCallReader:
                 return True
         if _partial_marker(text, self.fmt.between) == len(text):
             return False  # may still become a separator
-        if not self._region_calls:  # markers but no call: they were content after all
+        if not self._region_called:  # markers but no call: they were content after all
             self._to_content(out, self._skipped)
-        self._skipped = ""
         self._state = _State.CONTENT
         return True
 
@@ -190,13 +189,12 @@ class ToolCallReader:
         if not (scanner.done or scanner.failed):
             return False
         if self._index is None:  # no name: not a call
-            if not self._region_calls:
+            if not self._region_called:
                 self._to_content(out, self._skipped)
             self._to_content(out, scanner.text)
             self._state = _State.CONTENT
         else:
-            self._state = _State.BETWEEN
-            self._region_calls += 1
+            self._state, self._region_called = _State.BETWEEN, True
         self._skipped, self._scanner, self._buffer = "", None, rest
         return True
 
@@ -213,14 +211,9 @@ class ToolCallReader:
 
     def _send_args(self, out: ReaderOutput, args: str) -> None:
         new = args[self._sent_args:]
-        if not new:
-            return
-        self._sent_args = len(args)
-        assert self._index is not None
-        last = out.calls[-1] if out.calls else None
-        if last is not None and last.index == self._index and last.name is None:
-            last.arguments += new
-        else:
+        if new:
+            self._sent_args = len(args)
+            assert self._index is not None
             out.calls.append(ToolCallDelta(self._index, arguments=new))
 
     def _content(self, out: ReaderOutput, text: str) -> None:

@@ -110,6 +110,9 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
         ({"max_request_bytes": 100}, "greater than or equal to 1024"),
         ({"graceful_shutdown_timeout_s": -1}, "greater than or equal to 0"),
         ({"api_keys": "[1, 2]"}, "valid dictionary"),
+        ({"tool_call_parser": "xml"}, "unknown tool-call parser 'xml'; known: hermes, "
+                                      "llama3_json, mistral"),
+        ({"enable_auto_tool_choice": True}, "enable_auto_tool_choice needs a tool_call_parser"),
     ],
 )
 def test_bad_settings_are_clear(args: dict, fragment: str) -> None:
@@ -155,6 +158,13 @@ def test_cli_flags_and_config_file_build_the_same_config(tmp_path: Path) -> None
     assert (cfg.workers.num_workers, cfg.engine.block_size, cfg.engine.max_model_len) \
         == (3, 32, 1024)
     assert config_from_args(build_parser().parse_args(["serve"])) == {}
+    # vLLM's tool flags, as vLLM spells them; auto's parser only once auto is on
+    tools = ClusterConfig.model_validate(config_from_args(build_parser().parse_args([
+        "serve", "--enable-auto-tool-choice", "--tool-call-parser", "mistral"])) | {
+            "redis_url": REDIS})
+    assert tools.ingress.auto_tool_parser == "mistral"
+    assert ClusterConfig(redis_url=REDIS, tool_call_parser="hermes").ingress.auto_tool_parser \
+        is None
 
 
 def test_app_builder_validates_its_args() -> None:

@@ -87,6 +87,22 @@ CASES = [
               "[1, 2].", []),
     (REQUIRED_FORMAT, '[{"name": "f", "parameters": {"a": true}}, {"name": "g", "parameters": '
                       '{"b": [false]}}]', "", [("f", '{"a": true}'), ("g", '{"b": [false]}')]),
+    # cut off before a call's name: what was held back is content after all
+    (HERMES, 'Hi <tool_call>{"na', 'Hi <tool_call>{"na', []),
+    (HERMES, "Hi <tool_call>", "Hi <tool_call>", []),
+    (HERMES, '<tool_call>{"name": "f"}</tool_call><tool_call>{"arg', '{"arg', [("f", "{}")]),
+    (HERMES, '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call> \n<tool_call> x', "x",
+     [("f", '{"a": 1}')]),
+    (LLAMA3, "  ", "  ", []),
+    (HERMES, "Hi <tool_", "Hi <tool_", []),  # a marker's start, never finished: content
+    (HERMES, '<tool_call>{"name": "f"}</tool_call></tool_', "", [("f", "{}")]),
+    (MISTRAL, "[TOOL_CALLS] [x", "[TOOL_CALLS] [x", []),
+    # only ASCII whitespace is the gap before or after a call; other spaces are content
+    (HERMES, 'Hi\u00a0<tool_call>{"name": "f"}</tool_call>', "Hi\u00a0", [("f", "{}")]),
+    (HERMES, '<tool_call>{"name": "f"}</tool_call>\u00a0', "\u00a0", [("f", "{}")]),
+    # literals before and after the name and the arguments
+    (LLAMA3, '{"id": 7, "name": "f", "parameters": {"x": 1}, "n": -2 }', "", [("f", '{"x": 1}')]),
+    (LLAMA3, '{"name": "f", "parameters": 1.5 }', "", [("f", "1.5")]),
 ]
 
 
@@ -120,6 +136,8 @@ def test_arguments_stream_as_they_arrive() -> None:
     out = reader.feed('ty": "Paris"}}</tool_call>')
     assert [(d.name, d.arguments) for d in out.calls] == [(None, 'ty": "Paris"}')]
     assert reader.finish().content == ""  # the space before the call is dropped
+    # a marker followed by what cannot be a call is content at once, not at the next delta
+    assert ToolCallReader(HERMES).feed("<tool_call> x").content == "<tool_call> x"
 
 
 def test_parallel_tool_calls_false_keeps_the_first() -> None:
@@ -140,6 +158,7 @@ def test_named_function_reads_the_whole_answer_as_arguments() -> None:
     content, calls = read_all(NamedCallReader("f"), '{"a": 1}')
     assert (content, [(c.index, c.name, c.arguments) for c in calls]) == (
         "", [(0, "f", '{"a": 1}')])
+    assert (calls[0].id or "").startswith("chatcmpl-tool-")
     reader = NamedCallReader("f")
     first, second, end = reader.feed('{"a"'), reader.feed(": 1}"), reader.finish()
     assert [(d.name, d.arguments) for d in first.calls] == [("f", ""), (None, '{"a"')]
@@ -151,10 +170,22 @@ def test_scanner_reads_a_call_object() -> None:
     scanner = CallScanner()
     assert scanner.feed('{"name": "f\\u00e9", "arguments": {"k": "v\\\\"}} tail') == " tail"
     assert (scanner.done, scanner.name, scanner.arguments()) == (True, "fé", '{"k": "v\\\\"}')
-    for bad in ('{"name" 1}', '["name"]', '{"name": "f",, }', '{"\\x": 1}'):
+    for bad in ('{"name" 1}', '["name"]', '{"name": "f",, }', '{"\\x": 1}', "x", "{x",
+                '{"name": "f" "x"}'):
         scanner = CallScanner()
         scanner.feed(bad)
         assert scanner.failed, bad
     scanner = CallScanner()
     assert scanner.feed('{"name": 5, "parameters": 7}') == ""
     assert (scanner.done, scanner.name, scanner.arguments()) == (True, None, "7")
+    scanner = CallScanner()
+    assert scanner.feed("{}]") == "]"
+    assert (scanner.done, scanner.name, scanner.arguments()) == (True, None, None)
+    scanner = CallScanner()
+    scanner.feed('{"name": "f", "arguments": "bad \\x"}')
+    assert scanner.done and scanner.arguments() is None  # a quoted value that is no string
+    scanner = CallScanner()
+    scanner.feed('{"name": "f", "arguments": "{\\"a\\"')
+    assert scanner.arguments() is None  # quoted: held until complete
+    assert scanner.feed(': 1}"}') == ""
+    assert scanner.arguments() == '{"a": 1}'

@@ -176,7 +176,6 @@ def main() -> None:
 
 
 def _serve() -> None:
-    os.nice(CHILD_NICENESS)
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
     source = sys.stdin.buffer
@@ -187,6 +186,7 @@ def _serve() -> None:
 
     info = xgr.TokenizerInfo.deserialize_json(init["tokenizer_info"])
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=init["cache_bytes"])
+    os.nice(CHILD_NICENESS)  # after start-up: a first request does not wait on a slow import
     _write_frame(out, {"ready": True})
     while (request := _read_frame(source)) is not None:
         try:

@@ -35,6 +35,7 @@ from prefixserve.workers.kv_tensor import (
     log_kv_budget,
 )
 from prefixserve.workers.logits_processors import TokenHistory, needs_history
+from prefixserve.workers.lora import LoRAAdapter, load_adapter
 from prefixserve.workers.model_runner import ModelRunner, keep_cpu_heap
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.models.loader import load_model, resolve_device
@@ -73,6 +74,7 @@ class LLMEngine(EngineCore):
         # structured outputs need the vocabulary's text: the checkpoint's tokenizer
         self.grammars = None if tokenizer_path is None else GrammarCompiler(
             tokenizer_path, mc.vocab_size, mc.eos_token_ids)
+        self.loras: dict[str, LoRAAdapter] = {}
         log_kv_budget(mc, self.dtype, per_token, num_blocks, config.block_size)
 
     @classmethod
@@ -92,11 +94,37 @@ class LLMEngine(EngineCore):
         return cls(model, config, fingerprint, on_kv_events, tokenizer)
 
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
-        """Each sample draws from its own generator (seeded per sample index) and follows its
-        own grammar matcher when constrained."""
+        """Each sample draws from its own generator (seeded per sample index), follows its
+        own grammar matcher when constrained, and runs under its request's LoRA adapter."""
         seq.extra["gen"] = make_generator(seq.params, seq.index, self.kv_cache.device)
         if req.grammar is not None:
             seq.extra["matcher"] = new_matcher(req.grammar)
+        if req.lora is not None:
+            seq.extra["lora"] = req.lora
+
+    # ----------------------------------------------------------------- LoRA adapters
+
+    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Load the adapter at `path` as `name`; AdapterError (nothing loaded) when it does
+        not fit this model. A name already taken is replaced for later requests."""
+        adapter = load_adapter(name, path, self.model_config, self.model.dtype,
+                               self.kv_cache.device, self.config.max_lora_rank)
+        self.loras[name] = adapter
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Admit no more requests under `name`; the running ones finish under it (they hold
+        the adapter's weights)."""
+        self.loras.pop(name, None)
+
+    def lora(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter called `name` (None: the base model); InvalidRequestError if unknown."""
+        if name is None:
+            return None
+        adapter = self.loras.get(name)
+        if adapter is None:
+            raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "model")
+        return adapter
 
     # ----------------------------------------------------------------- the step
 
@@ -162,16 +190,20 @@ class LLMEngine(EngineCore):
         prompts: list[list[int]],
         params: SamplingParams | list[SamplingParams],
         cache_salt: str | None = None,
+        lora: str | list[str | None] | None = None,
     ) -> list[GenerateOutput]:
-        """Run a batch to completion; results in prompt order."""
+        """Run a batch to completion, each prompt under its LoRA adapter (a name, or one per
+        prompt; None: the base model); results in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise InvalidRequestError("need one SamplingParams per prompt")
+        names = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(plist) != len(prompts) or len(names) != len(prompts):
+            raise InvalidRequestError("need one SamplingParams and adapter per prompt")
         results: dict[str, GenerateOutput] = {}
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist, strict=True)):
                 rid = f"generate-{id(results)}-{i}"
-                self.add_request(rid, prompt, p, cache_salt, grammar=self.compile(p))
+                self.add_request(rid, prompt, p, cache_salt, grammar=self.compile(p),
+                                 lora=self.lora(names[i]))
                 results[rid] = GenerateOutput(
                     rid,
                     list(prompt),

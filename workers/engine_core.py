@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.router import blocks
+from prefixserve.router.adapters import adapter_fingerprint
 from prefixserve.router.events import KVEvent
 from prefixserve.router.request import TokenLogprob
 from prefixserve.router.sampling_params import SamplingParams
@@ -54,6 +55,7 @@ class EngineRequest:
     seqs: list[Sequence] = field(default_factory=list)
     num_done: int = 0
     grammar: Any = None  # the compiled constraint (workers/structured.py); None: free text
+    lora: Any = None  # its LoRA adapter (workers/lora.py); None: the base model
 
 
 class EngineCore:
@@ -136,12 +138,16 @@ class EngineCore:
                 self.kv.free(seq.seq_id)  # no-op unless scheduling failed half-way
         return failed
 
-    def namespace(self, cache_salt: str | None) -> bytes:
-        ns = self._ns_cache.get(cache_salt)
+    def namespace(self, cache_salt: str | None, adapter: str | None = None) -> bytes:
+        """Block 0's namespace: the model (under the LoRA adapter `adapter`, its identity)
+        and the request's salt."""
+        key = (cache_salt, adapter)
+        ns = self._ns_cache.get(key)
         if ns is None:
-            ns = blocks.namespace(self.model_fingerprint, cache_salt)
+            ns = blocks.namespace(adapter_fingerprint(self.model_fingerprint, adapter),
+                                  cache_salt)
             if len(self._ns_cache) < 1024:
-                self._ns_cache[cache_salt] = ns
+                self._ns_cache[key] = ns
         return ns
 
     # ----------------------------------------------------------------- requests
@@ -154,11 +160,13 @@ class EngineCore:
         cache_salt: str | None = None,
         tenant: str | None = None,
         grammar: Any = None,
+        lora: Any = None,
     ) -> None:
         """Queue a request; raises InvalidRequestError (and changes nothing) on bad input.
 
         ``tenant`` is whose fair share of the batch the request uses (see workers.scheduler);
-        ``grammar`` is its compiled structured-output constraint, if any.
+        ``grammar`` is its compiled structured-output constraint, if any; ``lora`` its LoRA
+        adapter (anything with an ``identity``), if any: its blocks are that adapter's.
         """
         if request_id in self._requests:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
@@ -168,8 +176,9 @@ class EngineCore:
         if not sampling_params.ignore_eos:
             stop.update(self.eos_token_ids)
         req = EngineRequest(request_id, sampling_params, len(prompt), frozenset(stop),
-                            grammar=grammar)
-        hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt))
+                            grammar=grammar, lora=lora)
+        adapter = None if lora is None else lora.identity
+        hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt, adapter))
         hasher.append(prompt)
         seq = Sequence(seq_id=f"{request_id}#0", request_id=request_id, index=0,
                        token_ids=prompt, num_prompt_tokens=len(prompt), params=sampling_params,

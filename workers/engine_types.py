@@ -47,6 +47,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+    max_lora_rank: int = Field(16, ge=1, description="Largest rank of a LoRA adapter the "
+                               "engine takes (vLLM's --max-lora-rank)")
     device: str = Field(
         "auto", description="auto | cpu | cuda | cuda:N; auto: the GPU Ray assigned, else CPU",
         json_schema_extra=INTERNAL)

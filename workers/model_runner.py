@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.lora import LoRABatch
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
@@ -76,9 +77,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run the batch; logits [len(sampled), vocab] float32 (None when nothing samples)."""
+        """Run the batch, each sequence under its LoRA adapter (`seq.extra["lora"]`) if any;
+        logits [len(sampled), vocab] float32 (None when nothing samples)."""
         ids, positions, meta, sampled = self.prepare(sched)
-        logits = self.model(ids, positions, meta, self.kv_cache)
+        lora = LoRABatch.of([seq.extra.get("lora") for seq in sched.seqs],
+                            sched.num_new_tokens, self.device)
+        logits = self.model(ids, positions, meta, self.kv_cache, lora)
         return (logits if sampled else None), sampled
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from prefixserve.workers.attention.metadata import AttentionMetadata
+    from prefixserve.workers.lora import LoRABatch
     from prefixserve.workers.models.config import ModelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,5 +59,7 @@ class CausalLM(nn.Module, ABC):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Run the step's T flat tokens; logits [len(logits_indices), vocab] in float32."""
+        """Run the step's T flat tokens (each row under its LoRA adapter, if any); logits
+        [len(logits_indices), vocab] in float32."""

@@ -4,7 +4,8 @@ Mistral and Qwen2 differ from Llama only in their configs (see `workers.models.r
 and gate/up are fused into one matmul each (`weight_map` sends the checkpoint's separate tensors
 to row slices), RoPE is applied to q and k in one op, and attention goes through the paged KV
 cache with the backend chosen for the model's device (`workers.attention.registry`). Only the
-rows in `meta.logits_indices` reach the final norm and the LM head.
+rows in `meta.logits_indices` reach the final norm and the LM head. A step's LoRA adapters
+(`workers.lora.LoRABatch`) add to each projection's output for their rows.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from prefixserve.workers.models.layers import (
 if TYPE_CHECKING:
     from prefixserve.workers.attention.base import AttentionBackend
     from prefixserve.workers.attention.metadata import AttentionMetadata
+    from prefixserve.workers.lora import LoRABatch
     from prefixserve.workers.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, index: int):
         super().__init__()
+        self.index = index  # the layer's: which of an adapter's weights apply
         self.heads, self.kv_heads, self.head_dim = (
             c.num_attention_heads,
             c.num_key_value_heads,
@@ -52,34 +55,48 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        qkv = self.qkv_proj(x).view(x.shape[0], -1, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if lora is not None:
+            lora.apply(qkv, x, self.index, "qkv")
+        qkv = qkv.view(x.shape[0], -1, self.head_dim)
         h, kvh = self.heads, self.kv_heads
         qk = apply_rope(qkv[:, : h + kvh], cis)
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
-        return self.o_proj(backend.forward(q, k, v, k_cache, v_cache, meta, self.scale))
+        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        if lora is None:
+            return self.o_proj(attn)
+        return lora.apply(self.o_proj(attn), attn, self.index, "o")
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, index: int):
         super().__init__()
+        self.index = index
         self.gate_up_proj = nn.Linear(
             c.hidden_size, 2 * c.intermediate_size, bias=False, dtype=dtype
         )
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))  # in place: one less big allocation
+    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply(gate_up, x, self.index, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate).mul_(up)  # in place: one less big allocation
+        if lora is None:
+            return self.down_proj(act)
+        return lora.apply(self.down_proj(act), act, self.index, "down")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.self_attn = Attention(c, dtype)
+        self.self_attn = Attention(c, dtype, index)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.mlp = MLP(c, dtype)
+        self.mlp = MLP(c, dtype, index)
 
     def forward(
         self,
@@ -89,11 +106,13 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
         # Residual adds land in the sublayer's fresh output instead of a new tensor.
-        attn = self.self_attn(self.input_layernorm(x), cis, meta, k_cache, v_cache, backend)
+        attn = self.self_attn(self.input_layernorm(x), cis, meta, k_cache, v_cache, backend,
+                              lora)
         x = attn.add_(x)
-        return self.mlp(self.post_attention_layernorm(x)).add_(x)
+        return self.mlp(self.post_attention_layernorm(x), lora).add_(x)
 
 
 class LlamaForCausalLM(CausalLM):
@@ -103,7 +122,7 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         c = config
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(c, dtype) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, dtype, i) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=dtype)
         self.inv_freq = torch.empty(0)
@@ -130,13 +149,15 @@ class LlamaForCausalLM(CausalLM):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor:
-        """Run the step's T flat tokens; logits [len(logits_indices), vocab] in float32."""
+        """Run the step's T flat tokens, each row under its LoRA adapter if any; logits
+        [len(logits_indices), vocab] in float32."""
         x = self.embed_tokens(input_ids)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         cis = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cis, meta, kv_cache[i, 0], kv_cache[i, 1], self.attention)
+            x = layer(x, cis, meta, kv_cache[i, 0], kv_cache[i, 1], self.attention, lora)
         x = self.norm(x.index_select(0, meta.logits_indices))
         return self.lm_head(x).float()
 
