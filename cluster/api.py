@@ -114,7 +114,8 @@ class OpenAIIngress:
                  chat_template: str | None = None,
                  worker_stall_timeout_s: float | None = None,
                  control_tokens_in_messages: bool = False,
-                 tool_call_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = None,
+                 lora_ids: dict[str, str] | None = None) -> None:
         Guard.configure(guard)
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
@@ -128,6 +129,7 @@ class OpenAIIngress:
         model_len, vocab_size = source.limits(model, path)
         self.tokenizer = Tokenizer(tokenizer or path, chat_template)
         self.model_name = model_name
+        self.lora_ids = lora_ids or {}  # LoRA adapter name -> identity (name@digest)
         self.render = Renderer(self.tokenizer, model_name, tool_call_parser)
         # tool_choice `auto` reads the parser's markers, control tokens in some models
         fmt = TOOL_PARSERS.get(tool_call_parser or "")
@@ -159,12 +161,14 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
-        return ModelList(data=[self._card()]).model_dump()
+        """The base model, then each LoRA adapter with the base as its `parent`."""
+        cards = [self._card(name) for name in [self.model_name, *self.lora_ids]]
+        return ModelList(data=cards).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> dict[str, Any]:
         self._check_model(model_id)
-        return self._card().model_dump()
+        return self._card(model_id).model_dump()
 
     @app.get("/version")
     async def version(self) -> dict[str, str]:
@@ -221,7 +225,7 @@ class OpenAIIngress:
             await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_params(max_tokens, req.logprobs)
         gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
-                               req.cache_salt)
+                               req.cache_salt, req.model)
         if req.stream:
             return await stream_response(gen, self.render.completion_chunks(gen, req))
         per_choice = await collect(gen)
@@ -250,7 +254,7 @@ class OpenAIIngress:
         await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_params(max_tokens, req.num_logprobs)
         gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
-                               req.cache_salt)
+                               req.cache_salt, req.model)
         if req.tool_mode == "auto":
             gen.keep_special = self.tool_markers
         if req.stream:
@@ -261,14 +265,21 @@ class OpenAIIngress:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def _card(self) -> ModelCard:
-        return ModelCard(id=self.model_name, created=self.created,
-                         max_model_len=self.max_model_len)
+    def _card(self, name: str) -> ModelCard:
+        parent = None if name == self.model_name else self.model_name
+        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
+                         parent=parent)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                           f"`{self.model_name}`.", param="model", code="model_not_found")
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (its identity), None for the base model; 404 for
+        anything else."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_ids:
+            return self.lora_ids[model]
+        served = ", ".join(f"`{m}`" for m in [self.model_name, *self.lora_ids])
+        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
+                       f"{served}.", param="model", code="model_not_found")
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -339,10 +350,15 @@ class OpenAIIngress:
                            param=param, code="kv_capacity_exceeded")
 
     def _generation(self, kind: str, prompts: list[list[int]], sampling: SamplingParams,
-                    stops: list[str], request: Request, client_salt: str | None) -> Generation:
-        """The request's worker calls, in the tenant's cache namespace (when API keys are on)
-        and under its name in the workers' fair-share queue."""
+                    stops: list[str], request: Request, client_salt: str | None,
+                    model: str | None) -> Generation:
+        """The request's worker calls, in the tenant's cache namespace (when API keys are on),
+        under its name in the workers' fair-share queue and under the LoRA adapter `model`
+        names, if any."""
         tenant = getattr(request.state, "tenant", None)
-        return Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
-                          tenant_salt(self.salt_secret, tenant, client_salt), tenant,
-                          self.stall_timeout_s, self.worker_health.stalled)
+        gen = Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
+                         tenant_salt(self.salt_secret, tenant, client_salt), tenant,
+                         self.stall_timeout_s, self.worker_health.stalled)
+        gen.lora = self._check_model(model)
+        gen.model = model if gen.lora is not None else None
+        return gen

@@ -29,6 +29,7 @@ from prefixserve.cluster.api import OpenAIIngress
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.guard import GuardSettings
 from prefixserve.cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
+from prefixserve.router.adapters import adapter_identity
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import ROUTING_POLICIES
@@ -80,7 +81,9 @@ def build_app(config: ClusterConfig) -> Application:
                         chat_template=config.ingress.chat_template,
                         worker_stall_timeout_s=stall_timeout_s,
                         control_tokens_in_messages=config.ingress.control_tokens_in_messages,
-                        tool_call_parser=config.ingress.auto_tool_parser)
+                        tool_call_parser=config.ingress.auto_tool_parser,
+                        lora_ids={name: adapter_identity(name, path)
+                                  for name, path in config.engine.lora_modules.items()})
 
 
 def request_router_config(

@@ -169,8 +169,12 @@ class Renderer:
             logprobs = self.completion_logprobs(ds) if req.logprobs is not None else None
             choices.append(CompletionChoice(index=i, text="".join(d.text for d in ds),
                                             logprobs=logprobs, finish_reason=_finish(ds)))
-        return CompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
+        return CompletionResponse(id=gen.request_id, created=now(), model=self._model(gen),
                                   choices=choices, usage=gen.usage())
+
+    def _model(self, gen: Generation) -> str:
+        """The model a response names: the LoRA adapter asked for, else the served model."""
+        return gen.model or self.model_name
 
     def tool_reader(self, req: ChatCompletionRequest) -> Reader | None:
         """What reads tool calls out of one choice's text: the server's parser for `auto`, the
@@ -201,7 +205,7 @@ class Renderer:
                     name=c.name or "", arguments=c.arguments)) for c in calls])
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
                                       finish_reason=_tool_finish(_finish(ds), bool(calls))))
-        return ChatCompletionResponse(id=gen.request_id, created=now(), model=self.model_name,
+        return ChatCompletionResponse(id=gen.request_id, created=now(), model=self._model(gen),
                                       choices=choices, usage=gen.usage())
 
     def completion_logprobs(self, deltas: Iterable[ChoiceDelta], offset: int = 0
@@ -247,10 +251,10 @@ class Renderer:
                     continue
                 choice = CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
                                           finish_reason=d.finish_reason)
-                yield sse(CompletionChunk(id=gen.request_id, created=created, model=self.model_name,
-                                          choices=[choice]))
+                yield sse(CompletionChunk(id=gen.request_id, created=created,
+                                          model=self._model(gen), choices=[choice]))
         if req.include_usage:
-            yield sse(CompletionChunk(id=gen.request_id, created=created, model=self.model_name,
+            yield sse(CompletionChunk(id=gen.request_id, created=created, model=self._model(gen),
                                       choices=[], usage=gen.usage()))
 
     async def chat_chunks(self, gen: Generation, req: ChatCompletionRequest
@@ -259,7 +263,7 @@ class Renderer:
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return sse(ChatCompletionChunk(id=gen.request_id, created=created,
-                                           model=self.model_name, choices=choices, usage=usage))
+                                           model=self._model(gen), choices=choices, usage=usage))
 
         first = True
         readers = [self.tool_reader(req) for _ in range(req.n)]

@@ -171,6 +171,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "prefixserve"
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

@@ -112,11 +112,13 @@ class RoutingCore:
         self.clock = clock
 
     async def decide(self, key: int, tokens: Sequence[int], cache_salt: str | None,
-                     candidates: Sequence[Candidate], internal_id: str, now: float) -> Decision:
-        """Rank ``candidates`` for request ``key`` and record the first as where it goes."""
+                     candidates: Sequence[Candidate], internal_id: str, now: float,
+                     adapter: str | None = None) -> Decision:
+        """Rank ``candidates`` for request ``key`` (under LoRA adapter ``adapter``, its
+        identity) and record the first as where it goes."""
         state, clock = self.state, self.clock
         start = clock()
-        ctx = state.context(key, tokens, cache_salt, now)
+        ctx = state.context(key, tokens, cache_salt, now, adapter)
         hashed = clock()
         attempts: list[LookupAttempt] = []
 

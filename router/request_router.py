@@ -3,8 +3,9 @@
 It runs inside every deployment handle (each ingress replica has its own), on the handle's
 router event loop. Per request it:
 
-1. hashes the prompt's block chain once (``router.blocks``, namespace = model fingerprint +
-   the request's ``cache_salt``), from ``pending_request.args[0]``, a ``GenerateRequest``;
+1. hashes the prompt's block chain once (``router.blocks``, namespace = model fingerprint,
+   under the request's LoRA adapter if any (``router.adapters``), + the request's
+   ``cache_salt``), from ``pending_request.args[0]``, a ``GenerateRequest``;
 2. looks the chain up: in process, from this router's copy of the index, while it follows the
    index's event log (``IndexSettings.event_log``, :mod:`router.index_follower`); else in the
    prefix index within ``lookup_deadline_s`` (fail-open: when the index is slow, down or unset
@@ -164,7 +165,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             await self._maybe_check_workers(candidate_replicas, now)
         decision = await self._core.decide(
             _request_key(pending_request), request.prompt_token_ids, request.cache_salt,
-            self._candidates(candidate_replicas), internal_request_id(pending_request), now)
+            self._candidates(candidate_replicas), internal_request_id(pending_request), now,
+            request.lora)
         for attempt in decision.lookups:
             if attempt.source is not None:
                 self._lookups.inc(tags={"source": attempt.source})

@@ -21,6 +21,7 @@ from collections.abc import (
 )
 from dataclasses import fields
 
+from prefixserve.router.adapters import adapter_fingerprint
 from prefixserve.router.blocks import Chain, ChainMemo, namespace
 from prefixserve.router.chains import goes_past
 from prefixserve.router.decision_types import (
@@ -68,9 +69,11 @@ class RouterState:
     # -------------------------------------------------------------------------- requests
 
     def context(
-        self, key: int, tokens: Sequence[int], cache_salt: str | None, now: float
+        self, key: int, tokens: Sequence[int], cache_salt: str | None, now: float,
+        adapter: str | None = None,
     ) -> RequestContext:
-        """The request's context, made (and its chain hashed) on first use."""
+        """The request's context, made (and its chain hashed, under its LoRA adapter's
+        fingerprint when it has one) on first use."""
         ctx = self.contexts.get(key)
         if ctx is not None:
             return ctx
@@ -80,7 +83,7 @@ class RouterState:
         ns = b""
         if self.settings.prefix_routing and self.gate.fingerprint is not None:
             matched = tokens
-            ns = namespace(self.gate.fingerprint, cache_salt)
+            ns = namespace(adapter_fingerprint(self.gate.fingerprint, adapter), cache_salt)
             chain = self.memo.chain(matched, ns, budget=self._first_blocks, limit=limit)
         spread = b""  # a chain's tie key depends on the lookup (see tie_key())
         if not chain:  # shorter than a block (or no fingerprint yet): nothing cacheable, spread

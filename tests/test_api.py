@@ -9,11 +9,15 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import httpx
 import jsonschema
 import openai
+import peft
 import pytest
+import torch
+import transformers
 from ray import serve
 from servekit import replica_logs, serve_app, wait_for
 
@@ -29,6 +33,33 @@ from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 APP = "prefixserve-test"
 METRICS_PORT = free_port()
 MAX_MODEL_LEN = 512
+@pytest.mark.cluster
+def test_a_lora_adapter_is_a_model_with_its_own_prefixes(
+        base_url: str, tok: Tokenizer, tiny_lora: tuple[Path, torch.nn.Module]) -> None:
+    """`model` names the adapter: its greedy text is PEFT's; the same prompt on the base model
+    finds none of the adapter's blocks; the adapter's repeat goes to the worker holding its
+    prefix and hits it."""
+    prompt = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(37)).tolist()
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(8):
+            tokens.append(int(tiny_lora[1](torch.tensor([tokens])).logits[0, -1].argmax()))
+    first = post(base_url, "/v1/completions", body | {"model": "tiny-lora"})
+    assert first.status_code == 200, first.text
+    assert first.json()["model"] == "tiny-lora"
+    assert first.json()["choices"][0]["text"] == tok.decode(tokens[40:])
+    assert first.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    time.sleep(1.0)  # the worker's KV events reach the index
+    base = post(base_url, "/v1/completions", body)
+    assert base.json()["choices"][0]["text"] != first.json()["choices"][0]["text"]
+    assert base.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = post(base_url, "/v1/completions", body | {"model": "tiny-lora"})
+    assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 32
+    assert again.headers[WORKER_HEADER] == first.headers[WORKER_HEADER]
+
+
 WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
                                                          "maximum": 7}},
@@ -42,12 +73,29 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": CLOCK}
 
 
 @pytest.fixture(scope="module")
-def base_url(redis_server: LocalRedis) -> Iterator[str]:
+def tiny_lora(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    """A random LoRA adapter for the built-in model, made with PEFT, and PEFT's model."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(ensure_builtin_model()).float()
+    model = peft.get_peft_model(base, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    path = tmp_path_factory.mktemp("lora") / "tiny-lora"
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def base_url(redis_server: LocalRedis, tiny_lora: tuple[Path, torch.nn.Module]) -> Iterator[str]:
     config = ClusterConfig(
         model=BUILTIN_MODEL_NAME,
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
         enable_auto_tool_choice=True, tool_call_parser="hermes",
+        lora_modules={"tiny-lora": str(tiny_lora[0])},
     )
     with serve_app(config, APP, _metrics_export_port=METRICS_PORT,
                    _system_config={"metrics_report_interval_ms": 1000}) as url:
@@ -83,7 +131,8 @@ def test_models_and_health(base_url: str) -> None:
     assert httpx.get(f"{base_url}/health").json() == {"status": "ok"}
     models = httpx.get(f"{base_url}/v1/models").json()
     assert models["object"] == "list"
-    assert [m["id"] for m in models["data"]] == [BUILTIN_MODEL_NAME]
+    assert [(m["id"], m["parent"]) for m in models["data"]] == [
+        (BUILTIN_MODEL_NAME, None), ("tiny-lora", BUILTIN_MODEL_NAME)]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
     missing = httpx.get(f"{base_url}/v1/models/nope")
     assert missing.status_code == 404

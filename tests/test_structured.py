@@ -150,12 +150,12 @@ async def test_compiling_runs_off_the_loop_within_its_time_limit(
     with pytest.raises(InvalidRequestError, match="need a real model") as info:
         await compile_in_thread(None, params)  # a simulated engine cannot constrain
     assert info.value.param == "guided_regex"
-    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(structured, "WAIT_TIMEOUT_S", 0.05)
 
     def slow(p: SamplingParams) -> None:
         time.sleep(0.5)
 
-    with pytest.raises(InvalidRequestError, match=r"did not compile within 0\.05 s") as info:
+    with pytest.raises(InvalidRequestError, match=r"not compiled within 0\.05 s") as info:
         await compile_in_thread(slow, params)
     assert info.value.param == "guided_regex"
     await asyncio.sleep(0.5)  # the slow one ends: the next test finds both threads free
@@ -178,7 +178,7 @@ async def test_compiles_run_two_at_a_time_and_queued_ones_give_up(
 
     assert await compile_in_thread(quick, params) == "compiled"  # the threads are free again
     ran.clear()
-    monkeypatch.setattr(structured, "COMPILE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(structured, "WAIT_TIMEOUT_S", 0.2)
     results = await asyncio.gather(
         compile_in_thread(slow, params), compile_in_thread(slow, params),
         compile_in_thread(quick, params), return_exceptions=True)

@@ -179,13 +179,16 @@ def test_scanner_reads_a_call_object() -> None:
     assert scanner.feed('{"name": 5, "parameters": 7}') == ""
     assert (scanner.done, scanner.name, scanner.arguments()) == (True, None, "7")
     scanner = CallScanner()
+    scanner.feed('{"name": "bad \\x", "arguments": {}}')
+    assert scanner.done and scanner.name is None  # a name that is no string is no name
+    scanner = CallScanner()
     assert scanner.feed("{}]") == "]"
     assert (scanner.done, scanner.name, scanner.arguments()) == (True, None, None)
     scanner = CallScanner()
     scanner.feed('{"name": "f", "arguments": "bad \\x"}')
     assert scanner.done and scanner.arguments() is None  # a quoted value that is no string
     scanner = CallScanner()
-    scanner.feed('{"name": "f", "arguments": "{\\"a\\"')
+    assert scanner.feed('{"name": "f", "arguments": "{\\"a\\"') == ""  # still open
     assert scanner.arguments() is None  # quoted: held until complete
     assert scanner.feed(': 1}"}') == ""
     assert scanner.arguments() == '{"a": 1}'

@@ -190,7 +190,7 @@ class LLMWorker:
         self._drained.clear()
         self._loop_thread.add(
             request_id, request.prompt_token_ids, params, request.cache_salt, stream,
-            request.tenant, grammar,
+            request.tenant, grammar, request.lora,
         )
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:

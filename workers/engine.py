@@ -91,7 +91,10 @@ class LLMEngine(EngineCore):
         model = load_model(path, config.dtype_for(device.type), device)
         fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
         tokenizer = Path(path) if (Path(path) / "tokenizer.json").is_file() else None
-        return cls(model, config, fingerprint, on_kv_events, tokenizer)
+        engine = cls(model, config, fingerprint, on_kv_events, tokenizer)
+        for name, folder in config.lora_modules.items():
+            engine.add_lora(name, folder)
+        return engine
 
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Each sample draws from its own generator (seeded per sample index), follows its
@@ -116,6 +119,17 @@ class LLMEngine(EngineCore):
         """Admit no more requests under `name`; the running ones finish under it (they hold
         the adapter's weights)."""
         self.loras.pop(name, None)
+
+    def lora_for(self, identity: str) -> LoRAAdapter:
+        """The adapter a request names by identity (`name@digest`, as the ingress computed it
+        from the same files); InvalidRequestError if unknown or if its weights differ here."""
+        adapter = self.lora(identity.rsplit("@", 1)[0])
+        assert adapter is not None
+        if adapter.identity != identity:
+            raise InvalidRequestError(f"LoRA adapter {adapter.name!r} has other weights on this "
+                                      f"worker ({adapter.identity}) than asked ({identity})",
+                                      "model")
+        return adapter
 
     def lora(self, name: str | None) -> LoRAAdapter | None:
         """The adapter called `name` (None: the base model); InvalidRequestError if unknown."""

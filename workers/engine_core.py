@@ -188,6 +188,11 @@ class EngineCore:
         self._requests[request_id] = req
         self.scheduler.add(seq)
 
+    def lora_for(self, identity: str) -> Any:
+        """The adapter a request names by identity (`name@digest`); this engine has none."""
+        raise InvalidRequestError(f"this model serves no LoRA adapters (asked for "
+                                  f"{identity.rsplit('@', 1)[0]!r})", "model")
+
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Per-sample state a subclass keeps in ``seq.extra`` (the real one: its generator and
         its grammar's matcher)."""

@@ -113,6 +113,7 @@ class Add:
     tenant: str | None
     stream: OutputStream
     grammar: Any = None  # the compiled structured-output constraint
+    lora: str | None = None  # the LoRA adapter's identity; None: the base model
 
 
 @dataclass(frozen=True)
@@ -163,9 +164,9 @@ class EngineLoop(threading.Thread):
 
     def add(self, request_id: str, prompt: Iterable[int], params: SamplingParams,
             cache_salt: str | None, stream: OutputStream, tenant: str | None = None,
-            grammar: Any = None) -> None:
+            grammar: Any = None, lora: str | None = None) -> None:
         self._commands.put(Add(request_id, prompt, params, cache_salt, tenant, stream,
-                               grammar))
+                               grammar, lora))
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its blocks. ``notify``: its stream still gets the final
@@ -243,8 +244,10 @@ class EngineLoop(threading.Thread):
     def _handle(self, command: Command) -> None:
         if isinstance(command, Add):
             try:
+                lora = None if command.lora is None else self.engine.lora_for(command.lora)
                 self.engine.add_request(command.request_id, command.prompt, command.params,
-                                        command.cache_salt, command.tenant, command.grammar)
+                                        command.cache_salt, command.tenant, command.grammar,
+                                        lora)
             except Exception as exc:  # InvalidRequestError, or anything the engine rejects
                 command.stream.send(exc)
                 return

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prefixserve.router.adapters import CONFIG_FILE, WEIGHTS_FILE
 from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
 from prefixserve.router.events import WorkerLoad
 from prefixserve.router.request import TokenLogprob
@@ -49,11 +52,38 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
     max_lora_rank: int = Field(16, ge=1, description="Largest rank of a LoRA adapter the "
                                "engine takes (vLLM's --max-lora-rank)")
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict, description="LoRA adapters every worker loads at start, served "
+        "under their names as models (vLLM's --lora-modules): `name=path` pairs separated by "
+        "spaces or commas, or a JSON object; each path a folder in PEFT's layout")
     device: str = Field(
         "auto", description="auto | cpu | cuda | cuda:N; auto: the GPU Ray assigned, else CPU",
         json_schema_extra=INTERNAL)
     model_fingerprint: str | None = Field(
         None, description="Default: derived from the checkpoint files", json_schema_extra=INTERNAL)
+
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: Any) -> Any:
+        """vLLM's `name=path name2=path2` (commas too), or JSON text; each path a folder with
+        PEFT's two files, made absolute here (a worker may start elsewhere)."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("{"):
+                value = json.loads(text)
+            else:
+                pairs = [p.split("=", 1) for p in text.replace(",", " ").split()]
+                if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+                    raise ValueError("give adapters as name=path pairs")
+                value = dict(pairs)
+        if isinstance(value, dict):
+            for name, path in value.items():
+                folder = Path(str(path)).expanduser()
+                missing = [f for f in (CONFIG_FILE, WEIGHTS_FILE) if not (folder / f).is_file()]
+                if missing:
+                    raise ValueError(f"adapter {name!r}: {folder} has no {', '.join(missing)}")
+                value[name] = str(folder.resolve())
+        return value
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> EngineConfig:

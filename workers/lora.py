@@ -19,7 +19,6 @@ namespace (router/adapters.py), so two adapters never share KV.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -31,6 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from prefixserve.router.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
 from prefixserve.workers.models.config import ModelConfig
 from prefixserve.workers.models.layers import interleave_rope_rows
 
@@ -38,8 +38,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # PEFT's tensor names for a Llama-family model wrapped in PeftModel
 _KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                   r"(\w+_proj)\.lora_([AB])\.weight")
-WEIGHTS_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
 Pair = tuple[torch.Tensor, torch.Tensor]  # A [rank, in], B [out, rank] with the scale folded in
 
 
@@ -134,8 +132,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     if not any(found):
         raise AdapterError(f"{WEIGHTS_FILE} holds no LoRA weights")
     layers = [_fuse(modules, config, scale, dtype, device) for modules in found]
-    digest = hashlib.sha256(raw).hexdigest()[:16]
-    return LoRAAdapter(name, digest, rank, layers)
+    return LoRAAdapter(name, adapter_digest(raw), rank, layers)
 
 
 def _fuse(modules: dict[str, dict[str, torch.Tensor]], c: ModelConfig, scale: float,

@@ -35,6 +35,10 @@ from prefixserve.workers.compile_process import CompileError, CompileProcess, Co
 from prefixserve.workers.errors import InvalidRequestError
 
 COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused (400)
+# How long a request waits in all for its grammar: a free compile thread (each compile ahead
+# of it ends within COMPILE_TIMEOUT_S), a compile child's start (~3 s, more on a loaded
+# machine), then its own compile.
+WAIT_TIMEOUT_S = 60.0
 CACHE_BYTES = 256 * 2**20  # compiled grammars kept, at most (counted as serialized)
 # Two threads compile, for every engine in the process, each waiting on a child process: a
 # runaway compile holds one of them (and one child's core, at low priority) until its limit.
@@ -131,10 +135,10 @@ class GrammarCompiler:
 
 async def compile_in_thread(compile_: Callable[[SamplingParams], Any] | None,
                             params: SamplingParams) -> Any:
-    """`compile_(params)` (an engine's `compile`) on the process's compile threads, within
-    COMPILE_TIMEOUT_S (waiting for a thread included); past it, a 400. The compile itself is
-    stopped at its limit (its child is killed); a compile still queued when its request gives
-    up is dropped. None: the engine cannot constrain (a simulated one)."""
+    """`compile_(params)` (an engine's `compile`) on the process's compile threads. The
+    compile itself is stopped at COMPILE_TIMEOUT_S (its child is killed), and the request
+    waits WAIT_TIMEOUT_S in all; past either, a 400. A compile still queued when its request
+    gives up is dropped. None: the engine cannot constrain (a simulated one)."""
     params.validate()
     assert params.structured is not None
     if compile_ is None:
@@ -142,10 +146,10 @@ async def compile_in_thread(compile_: Callable[[SamplingParams], Any] | None,
                                   "model, not a simulated one", params.structured.field)
     try:
         running = asyncio.get_running_loop().run_in_executor(_COMPILE_POOL, compile_, params)
-        return await asyncio.wait_for(running, COMPILE_TIMEOUT_S)
+        return await asyncio.wait_for(running, WAIT_TIMEOUT_S)
     except asyncio.TimeoutError:
-        raise InvalidRequestError(f"{params.structured.field}: the constraint did not compile "
-                                  f"within {COMPILE_TIMEOUT_S:g} s",
+        raise InvalidRequestError(f"{params.structured.field}: the compiler was busy; the "
+                                  f"constraint was not compiled within {WAIT_TIMEOUT_S:g} s",
                                   params.structured.field) from None
 
 
