@@ -60,7 +60,7 @@ class LoRAAdapter:
         return f"{self.name}@{self.digest}"
 
 
-def _shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target projection."""
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     h, inter = c.hidden_size, c.intermediate_size
@@ -108,7 +108,7 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
         raise AdapterError(f"{file} is missing") from None
     except (OSError, SafetensorError) as exc:
         raise AdapterError(f"{WEIGHTS_FILE} is unreadable: {exc}") from None
-    shapes = _shapes(config)
+    shapes = projection_shapes(config)
     found: list[dict[str, dict[str, torch.Tensor]]] = [
         {} for _ in range(config.num_hidden_layers)]
     for key, tensor in tensors.items():
