@@ -175,13 +175,17 @@ def test_removing_an_adapter_lets_its_requests_finish(models: tuple) -> None:
     eng = _engine(base, {"all": folders["all"]})
     prompt = _prompt(21, seed=4)
     eng.add_request("r", prompt, GREEDY, lora=eng.lora("all"))
+    eng.add_request("base", prompt, GREEDY)
+    assert (eng.stats().running_loras, eng.stats().waiting_loras) == ((), ("all",))
     tokens: list[int] = []
     for out in eng.step():
-        tokens += out.new_token_ids
+        tokens += out.new_token_ids if out.request_id == "r" else []
+    assert eng.stats().running_loras == ("all",) and eng.stats().num_loras == 1
     eng.remove_lora("all")
     with pytest.raises(InvalidRequestError):
         eng.lora("all")  # no new requests under it
     while eng.has_unfinished():
         for out in eng.step():
-            tokens += out.new_token_ids
+            tokens += out.new_token_ids if out.request_id == "r" else []
     assert tokens == _greedy(refs["all"], prompt)
+    assert eng.stats().num_loras == 0

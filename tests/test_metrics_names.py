@@ -153,6 +153,22 @@ def test_snapshot_counters_take_increments_of_the_engine_totals() -> None:
     assert [v for v, _ in m.gauges["vllm_kv_cache_usage_perc"].values] == [0.5, 0.25]
 
 
+def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
+    """vLLM's gauge: the adapters in its labels, when they were updated as its value; an
+    engine without adapters leaves it unset."""
+    m = recorded()
+    m.lora_info = Recorder()
+    m.update(EngineStats(0, 0, 0.0, 0, 0, 0, 0.0, 0.0, 10, 20))
+    assert m.lora_info.values == []
+    m.update(EngineStats(0, 0, 0.0, 2, 1, 0, 0.0, 0.0, 10, 20, num_loras=3,
+                         running_loras=("a", "b"), waiting_loras=("c",)))
+    [(value, tags)] = m.lora_info.values
+    assert tags == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c",
+                    "max_lora": "3"}
+    assert value > 1.7e9  # a Unix time
+    assert "ray_vllm_lora_requests_info" in exported_series()
+
+
 # ------------------------------------------------------------------ router: spill
 
 

@@ -74,7 +74,6 @@ class LLMEngine(EngineCore):
         # structured outputs need the vocabulary's text: the checkpoint's tokenizer
         self.grammars = None if tokenizer_path is None else GrammarCompiler(
             tokenizer_path, mc.vocab_size, mc.eos_token_ids)
-        self.loras: dict[str, LoRAAdapter] = {}
         log_kv_budget(mc, self.dtype, per_token, num_blocks, config.block_size)
 
     @classmethod

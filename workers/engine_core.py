@@ -84,7 +84,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
         self._requests: dict[str, EngineRequest] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
-        self._ns_cache: dict[str | None, bytes] = {}
+        self._ns_cache: dict[tuple[str | None, str | None], bytes] = {}
+        self.loras: dict[str, Any] = {}  # LoRA adapters by name (the real engine loads them)
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
         self._busy = BusyShare()
@@ -357,6 +358,9 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_empty_blocks=self.kv.num_empty_blocks,
             busy_share=self._busy.read(self.clock()),
+            num_loras=len(self.loras),
+            running_loras=_adapter_names(s.running),
+            waiting_loras=_adapter_names(s.waiting),
         )
 
     def cached_block_hashes(self) -> list[bytes]:
@@ -366,3 +370,8 @@ class EngineCore:
         """Drop every cached hash; ``AllBlocksCleared`` goes out at once."""
         self.kv.reset_prefix_cache()
         self._flush_events()
+
+
+def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
+    """The LoRA adapters the sequences run under, sorted (vLLM's lora_requests_info)."""
+    return tuple(sorted({a.name for seq in seqs if (a := seq.extra.get("lora")) is not None}))

@@ -134,6 +134,9 @@ class EngineStats:
     num_preemptions: int = 0
     num_empty_blocks: int = 0  # free blocks holding no cached prefix (room that evicts nothing)
     busy_share: float = 0.0  # of recent time spent in steps (BusyShare)
+    num_loras: int = 0  # LoRA adapters loaded (all resident)
+    running_loras: tuple[str, ...] = ()  # adapters of running sequences, sorted
+    waiting_loras: tuple[str, ...] = ()  # adapters of waiting ones
 
     def load(self, timestamp: float) -> WorkerLoad:
         """The load report routers read; ``timestamp`` is when these stats were taken (routers

@@ -15,6 +15,7 @@ second from the replica); the per-request series are observed by ``generate`` th
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,10 @@ GAUGES = {
     "vllm_num_requests_waiting": "Sequences waiting to be scheduled.",
     "vllm_kv_cache_usage_perc": "KV cache blocks in use (0-1).",
 }
+# vLLM's LoRA gauge: its labels name the adapters (comma-joined), its value is when they were
+# last updated; set only by an engine with adapters.
+LORA_INFO = "vllm_lora_requests_info"
+LORA_TAG_KEYS = ("running_lora_adapters", "waiting_lora_adapters", "max_lora")
 HISTOGRAMS = {
     "vllm_time_to_first_token_seconds": (
         "Arrival at the worker to the first token sent out.", _TTFT_BUCKETS),
@@ -75,7 +80,7 @@ HISTOGRAMS = {
 
 def exported_series() -> set[str]:
     """The series names Ray's Prometheus exporter shows for these metrics."""
-    return ({f"ray_{n}_total" for n in COUNTERS} | {f"ray_{n}" for n in GAUGES}
+    return ({f"ray_{n}_total" for n in COUNTERS} | {f"ray_{n}" for n in (*GAUGES, LORA_INFO)}
             | {f"ray_{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "sum", "count")})
 
 
@@ -99,6 +104,10 @@ class WorkerMetrics:
             .set_default_tags(tags)
             for n, (d, b) in HISTOGRAMS.items()
         }
+        self.lora_info = metrics.Gauge(
+            LORA_INFO, description="Running and waiting LoRA adapters (labels); the value is "
+            "when they were last updated.", tag_keys=(*TAG_KEYS, *LORA_TAG_KEYS),
+        ).set_default_tags(tags)
         # The engine's counts are cumulative; Prometheus counters take increments.
         self._seen = {"vllm_prefix_cache_queries": 0, "vllm_prefix_cache_hits": 0,
                       "vllm_num_preemptions": 0}
@@ -114,6 +123,11 @@ class WorkerMetrics:
         self.gauges["vllm_kv_cache_usage_perc"].set(s.kv_usage)
         self.gauges["vllm_num_requests_running"].set(s.num_running)
         self.gauges["vllm_num_requests_waiting"].set(s.num_waiting)
+        if s.num_loras:
+            self.lora_info.set(time.time(), tags={
+                "running_lora_adapters": ",".join(s.running_loras),
+                "waiting_lora_adapters": ",".join(s.waiting_loras),
+                "max_lora": str(s.num_loras)})
 
     def request(self, arrival: float, n: int) -> RequestMetrics:
         """Per-request timing for one ``generate`` call of ``n`` samples."""
