@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 from ray import serve
 from ray.serve.handle import DeploymentHandle
@@ -47,12 +47,15 @@ from prefixserve.cluster.protocol import (
 )
 from prefixserve.cluster.render import Renderer, collect, stream_response, worker_headers
 from prefixserve.cluster.request_limits import RequestLimits
-from prefixserve.cluster.responses import ModelCard, ModelList, new_id, now
+from prefixserve.cluster.responses import ModelList, new_id, now
+from prefixserve.cluster.served_models import Adapter, ServedModels
 from prefixserve.cluster.tokenize_protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRARequest,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRARequest,
     VersionResponse,
 )
 from prefixserve.cluster.tokenizer import TemplateKwargsError, Tokenizer, TokenizerError
@@ -115,7 +118,9 @@ class OpenAIIngress:
                  worker_stall_timeout_s: float | None = None,
                  control_tokens_in_messages: bool = False,
                  tool_call_parser: str | None = None,
-                 lora_ids: dict[str, str] | None = None) -> None:
+                 lora_ids: dict[str, str] | None = None,
+                 lora_paths: dict[str, str] | None = None,
+                 allow_runtime_lora_updating: bool = False) -> None:
         Guard.configure(guard)
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
         self.salt_secret = salt_secret
@@ -129,7 +134,7 @@ class OpenAIIngress:
         model_len, vocab_size = source.limits(model, path)
         self.tokenizer = Tokenizer(tokenizer or path, chat_template)
         self.model_name = model_name
-        self.lora_ids = lora_ids or {}  # LoRA adapter name -> identity (name@digest)
+        self.runtime_lora = allow_runtime_lora_updating
         self.render = Renderer(self.tokenizer, model_name, tool_call_parser)
         # tool_choice `auto` reads the parser's markers, control tokens in some models
         fmt = TOOL_PARSERS.get(tool_call_parser or "")
@@ -139,7 +144,9 @@ class OpenAIIngress:
         self.bounds = RequestLimits(self.max_model_len, vocab_size,
                                     self.tokenizer.max_chars_per_token, guard.max_request_tokens,
                                     guard.max_request_logprobs)
-        self.created = now()
+        self.served = ServedModels(model_name, self.max_model_len, now(), {
+            name: Adapter(identity, (lora_paths or {}).get(name))
+            for name, identity in (lora_ids or {}).items()})
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -162,13 +169,39 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self) -> dict[str, Any]:
         """The base model, then each LoRA adapter with the base as its `parent`."""
-        cards = [self._card(name) for name in [self.model_name, *self.lora_ids]]
-        return ModelList(data=cards).model_dump()
+        return ModelList(data=[self.served.card(n) for n in self.served.names()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> dict[str, Any]:
-        self._check_model(model_id)
-        return self._card(model_id).model_dump()
+        self.served.resolve(model_id)
+        return self.served.card(model_id).model_dump()
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=body_doc(LoadLoRARequest))
+    async def load_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: serve another adapter. One worker loads and checks it now (a bad one is a
+        400 with the reason); the others load it with its first request there."""
+        req = parse_body(LoadLoRARequest, await self._runtime_lora(request))
+        self.served.check_free(req.lora_name)
+        try:
+            identity = await self.workers.load_lora.remote(req.lora_name, req.lora_path)
+        except Exception as exc:
+            raise to_api_error(exc) from None
+        self.served.add(req.lora_name, Adapter(identity, req.lora_path))
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=body_doc(UnloadLoRARequest))
+    async def unload_lora_adapter(self, request: Request) -> PlainTextResponse:
+        """vLLM's: stop serving an adapter (requests under way finish under it)."""
+        req = parse_body(UnloadLoRARequest, await self._runtime_lora(request))
+        self.served.remove(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed "
+                                 "successfully.")
+
+    async def _runtime_lora(self, request: Request) -> bytes:
+        if not self.runtime_lora:
+            raise ApiError(404, "loading LoRA adapters at run time is off "
+                           "(allow_runtime_lora_updating)", code="not_found")
+        return await request.body()
 
     @app.get("/version")
     async def version(self) -> dict[str, str]:
@@ -178,7 +211,7 @@ class OpenAIIngress:
     async def tokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /tokenize: a prompt's or a rendered chat's token ids (no generation)."""
         req = parse_body(TokenizeRequest, await request.body())
-        self._check_model(req.model)
+        self.served.resolve(req.model)
         if req.messages is not None:
             param = "messages"
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -198,7 +231,7 @@ class OpenAIIngress:
     async def detokenize(self, request: Request) -> dict[str, Any]:
         """vLLM's /detokenize: token ids back to text, special tokens included."""
         req = parse_body(DetokenizeRequest, await request.body())
-        self._check_model(req.model)
+        self.served.resolve(req.model)
         self.bounds.length(len(req.tokens), "tokens")
         self.bounds.ids(req.tokens, "tokens")
         text = await self._run(len(req.tokens) > INLINE_TOKENS, self.tokenizer.decode,
@@ -208,7 +241,7 @@ class OpenAIIngress:
     @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
-        self._check_model(req.model)
+        self.served.resolve(req.model)
         self.bounds.stop_ids(req.stop_token_ids)
         self.bounds.logit_bias(req.logit_bias_ids)
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
@@ -235,7 +268,7 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
-        self._check_model(req.model)
+        self.served.resolve(req.model)
         self.bounds.stop_ids(req.stop_token_ids)
         self.bounds.logit_bias(req.logit_bias_ids)
         if req.tool_mode == "auto" and self.render.tool_parser is None:
@@ -264,22 +297,6 @@ class OpenAIIngress:
                                per_choice)
 
     # -- validation ---------------------------------------------------------------------------
-
-    def _card(self, name: str) -> ModelCard:
-        parent = None if name == self.model_name else self.model_name
-        return ModelCard(id=name, created=self.created, max_model_len=self.max_model_len,
-                         parent=parent)
-
-    def _check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter `model` names (its identity), None for the base model; 404 for
-        anything else."""
-        if model is None or model == self.model_name:
-            return None
-        if model in self.lora_ids:
-            return self.lora_ids[model]
-        served = ", ".join(f"`{m}`" for m in [self.model_name, *self.lora_ids])
-        raise ApiError(404, f"The model `{model}` does not exist; this server serves "
-                       f"{served}.", param="model", code="model_not_found")
 
     async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -359,6 +376,6 @@ class OpenAIIngress:
         gen = Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
                          tenant_salt(self.salt_secret, tenant, client_salt), tenant,
                          self.stall_timeout_s, self.worker_health.stalled)
-        gen.lora = self._check_model(model)
-        gen.model = model if gen.lora is not None else None
+        if (adapter := self.served.resolve(model)) is not None:
+            gen.lora, gen.model, gen.lora_path = adapter.identity, model, adapter.path
         return gen

@@ -83,7 +83,9 @@ def build_app(config: ClusterConfig) -> Application:
                         control_tokens_in_messages=config.ingress.control_tokens_in_messages,
                         tool_call_parser=config.ingress.auto_tool_parser,
                         lora_ids={name: adapter_identity(name, path)
-                                  for name, path in config.engine.lora_modules.items()})
+                                  for name, path in config.engine.lora_modules.items()},
+                        lora_paths=config.engine.lora_modules,
+                        allow_runtime_lora_updating=config.ingress.allow_runtime_lora_updating)
 
 
 def request_router_config(

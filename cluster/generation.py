@@ -99,6 +99,7 @@ class Generation:
     keep_special: frozenset[int] = frozenset()  # special tokens the text keeps (tool markers)
     lora: str | None = None  # the LoRA adapter's identity (name@digest); None: the base model
     model: str | None = None  # the adapter's name, as responses echo it; None: the base's
+    lora_path: str | None = None  # where a worker that lacks the adapter loads it from
     choices: list[list[_Choice]] = field(default_factory=list)
     cached_tokens: list[int] = field(default_factory=list)
     served_by: list[set[str]] = field(default_factory=list)  # per prompt: worker replica ids
@@ -173,7 +174,7 @@ class Generation:
             GenerateRequest(
                 request_id=self._call_id(p), prompt_token_ids=self.prompts[p],
                 sampling=self.sampling, cache_salt=self.cache_salt, tenant=self.tenant,
-                lora=self.lora,
+                lora=self.lora, lora_path=self.lora_path,
             )
         )
 

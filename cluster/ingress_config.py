@@ -132,6 +132,10 @@ class IngressConfig(BaseModel):
         "the default when a request has tools), its calls read by tool_call_parser (vLLM's "
         "--enable-auto-tool-choice). Without it such a request gets 400; `none`, `required` "
         "and a named function need no parser")
+    allow_runtime_lora_updating: bool = Field(
+        False, description="Serve vLLM's POST /v1/load_lora_adapter and /v1/unload_lora_adapter "
+        "(vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING): clients then name folders the workers read "
+        "adapters from, so allow it only for trusted clients (with API keys on, only key holders)")
     tool_call_parser: str | None = Field(
         None, description="How the model writes tool calls (vLLM's --tool-call-parser): "
         f"{', '.join(TOOL_PARSERS)}")

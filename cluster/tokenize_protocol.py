@@ -1,5 +1,6 @@
-"""Bodies of vLLM's tokenizer endpoints (`POST /tokenize`, `POST /detokenize`, `GET /version`),
-in vLLM's shapes so its clients and scripts work unchanged.
+"""Bodies of vLLM's endpoints besides generation (`POST /tokenize`, `POST /detokenize`,
+`GET /version`, `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter`), in vLLM's shapes
+so its clients and scripts work unchanged.
 
 `/tokenize` takes vLLM's two forms in one model: a completion prompt (`prompt`) or a chat
 (`messages`, rendered with the chat template first). Validation is as strict as the generation
@@ -58,3 +59,16 @@ class DetokenizeResponse(BaseModel):
 
 class VersionResponse(BaseModel):
     version: str
+
+
+class LoadLoRARequest(RequestModel):
+    """vLLM's `POST /v1/load_lora_adapter`: serve the adapter at `lora_path` as `lora_name`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRARequest(RequestModel):
+    """vLLM's `POST /v1/unload_lora_adapter`."""
+
+    lora_name: str = Field(min_length=1, max_length=256)

@@ -23,6 +23,7 @@ class GenerateRequest:
     cache_salt: str | None = None  # already derived server-side (tenant); None = no salt
     tenant: str | None = None  # whose fair share of a worker's queue; None: one shared tenant
     lora: str | None = None  # the LoRA adapter's identity (name@digest); None: the base model
+    lora_path: str | None = None  # where a worker without the adapter loads it from
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = token_array(self.prompt_token_ids)

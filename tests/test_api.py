@@ -60,6 +60,46 @@ def test_a_lora_adapter_is_a_model_with_its_own_prefixes(
     assert again.headers[WORKER_HEADER] == first.headers[WORKER_HEADER]
 
 
+@pytest.mark.cluster
+def test_lora_adapters_load_and_unload_at_run_time(
+        base_url: str, tok: Tokenizer, tiny_lora: tuple[Path, torch.nn.Module],
+        tmp_path: Path) -> None:
+    """vLLM's endpoints: a bad adapter is a 400 with the reason and is not served; a good one
+    is a model at once (the same weights under another name share no KV with the first);
+    unloaded, it is a 404."""
+    path = str(tiny_lora[0])
+    taken = post(base_url, "/v1/load_lora_adapter", {"lora_name": "tiny-lora", "lora_path": path})
+    assert (taken.status_code, taken.json()["error"]["param"]) == (400, "lora_name")
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+        num_attention_heads=2))
+    peft.get_peft_model(other, peft.LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(
+        tmp_path / "other")
+    for bad, reason in ((tmp_path / "missing", "adapter_config.json is missing"),
+                        (tmp_path / "other", "an adapter of another base model")):
+        r = post(base_url, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": str(bad)})
+        assert r.status_code == 400 and reason in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "lora_path"
+    assert "late" not in [m["id"] for m in httpx.get(f"{base_url}/v1/models").json()["data"]]
+    r = post(base_url, "/v1/load_lora_adapter", {"lora_name": "late", "lora_path": path})
+    assert r.status_code == 200 and r.text.startswith("Success"), r.text
+    assert httpx.get(f"{base_url}/v1/models/late").json()["parent"] == BUILTIN_MODEL_NAME
+    prompt = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(41)).tolist()
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = post(base_url, "/v1/completions", body | {"model": "tiny-lora"}).json()
+    time.sleep(1.0)  # the worker's KV events reach the index
+    late = post(base_url, "/v1/completions", body | {"model": "late"}).json()
+    assert late["model"] == "late"
+    assert late["choices"][0]["text"] == first["choices"][0]["text"]  # the same weights
+    assert late["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # another adapter
+    r = post(base_url, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert r.status_code == 200, r.text
+    gone = post(base_url, "/v1/completions", body | {"model": "late"})
+    assert (gone.status_code, gone.json()["error"]["code"]) == (404, "model_not_found")
+    again = post(base_url, "/v1/unload_lora_adapter", {"lora_name": "late"})
+    assert again.status_code == 404
+
+
 WEATHER = {"type": "object", "properties": {
     "city": {"enum": ["Paris", "Rome", "Oslo"]}, "days": {"type": "integer", "minimum": 1,
                                                          "maximum": 7}},
@@ -95,7 +135,7 @@ def base_url(redis_server: LocalRedis, tiny_lora: tuple[Path, torch.nn.Module]) 
         redis_url=redis_server.url, num_workers=2, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
         enable_auto_tool_choice=True, tool_call_parser="hermes",
-        lora_modules={"tiny-lora": str(tiny_lora[0])},
+        lora_modules={"tiny-lora": str(tiny_lora[0])}, allow_runtime_lora_updating=True,
     )
     with serve_app(config, APP, _metrics_export_port=METRICS_PORT,
                    _system_config={"metrics_report_interval_ms": 1000}) as url:

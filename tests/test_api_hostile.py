@@ -216,3 +216,9 @@ def test_tools_without_a_parser_are_refused_unless_the_choice_needs_none(base_ur
         choice = r.json()["choices"][0]
         assert len(choice["message"]["tool_calls"]) == (0 if served == "none" else 1)
         assert served == "none" or choice["finish_reason"] == "tool_calls"
+
+
+def test_loading_lora_adapters_at_run_time_is_off_by_default(base_url: str) -> None:
+    r = httpx.post(f"{base_url}/v1/load_lora_adapter", headers=A, timeout=60,
+                   json={"lora_name": "x", "lora_path": "/etc"})
+    assert envelope(r, 404)["message"].startswith("loading LoRA adapters at run time is off")

@@ -18,11 +18,9 @@ replica while Serve kept routing to it. ``__del__`` (Serve's graceful shutdown h
 in-flight streams get up to ``drain_timeout_s`` to finish, the rest are aborted (their blocks
 freed, their streams ended with "abort"), then the loop stops and the replica deregisters.
 
-Metrics. vLLM-named series (tokens, prefix cache, KV usage, queue/TTFT/TPOT/e2e latency,
-finished requests by reason): `workers.worker_metrics`.
-
-Serve options (replicas, ``num_cpus``/``num_gpus``, the request router) are set by whoever wraps
-this class with ``serve.deployment``; :func:`worker_deployment` is the usual way.
+Metrics: vLLM-named series, `workers.worker_metrics`. Serve options (replicas, ``num_cpus``,
+``num_gpus``, the request router) are set by whoever wraps this class with ``serve.deployment``;
+:func:`worker_deployment` is the usual way.
 """
 
 from __future__ import annotations
@@ -190,7 +188,7 @@ class LLMWorker:
         self._drained.clear()
         self._loop_thread.add(
             request_id, request.prompt_token_ids, params, request.cache_salt, stream,
-            request.tenant, grammar, request.lora,
+            request.tenant, grammar, request.lora, request.lora_path,
         )
         held: list[list[RequestOutput]] = []  # steps not streamed yet (stream_interval > 1)
         try:
@@ -228,10 +226,8 @@ class LLMWorker:
 
     async def stats(self, target_worker: str | None = None) -> dict[str, Any]:
         """Fresh engine stats (taken on the loop thread) plus this worker's identity.
-
         ``target_worker`` (a replica id) makes ``PrefixAwareRequestRouter`` send the call to
-        that replica; a replica that receives a call meant for another one refuses it.
-        """
+        that replica; a replica that receives a call meant for another one refuses it."""
         self._check_target(target_worker)
         stats = await self._on_engine(lambda e: e.stats())
         return {
@@ -257,6 +253,9 @@ class LLMWorker:
     async def reset_prefix_cache(self, target_worker: str | None = None) -> None:
         self._check_target(target_worker)
         await self._on_engine(lambda e: e.reset_prefix_cache())
+
+    async def load_lora(self, name: str, path: str) -> str:  # its identity, or a 400's error
+        return await self._on_engine(lambda e: e.load_lora(name, path))
 
     async def _on_engine(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the loop thread (the only one allowed to touch the engine)."""

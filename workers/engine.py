@@ -35,7 +35,7 @@ from prefixserve.workers.kv_tensor import (
     log_kv_budget,
 )
 from prefixserve.workers.logits_processors import TokenHistory, needs_history
-from prefixserve.workers.lora import LoRAAdapter, load_adapter
+from prefixserve.workers.lora import AdapterError, LoRAAdapter, load_adapter
 from prefixserve.workers.model_runner import ModelRunner, keep_cpu_heap
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.models.loader import load_model, resolve_device
@@ -119,10 +119,23 @@ class LLMEngine(EngineCore):
         the adapter's weights)."""
         self.loras.pop(name, None)
 
-    def lora_for(self, identity: str) -> LoRAAdapter:
+    def load_lora(self, name: str, path: str) -> str:
+        """`add_lora` for a request of the API: the adapter's identity, or its AdapterError
+        as an InvalidRequestError (a 400 naming the reason)."""
+        try:
+            return self.add_lora(name, path).identity
+        except AdapterError as exc:
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from None
+
+    def lora_for(self, identity: str, path: str | None = None) -> LoRAAdapter:
         """The adapter a request names by identity (`name@digest`, as the ingress computed it
-        from the same files); InvalidRequestError if unknown or if its weights differ here."""
-        adapter = self.lora(identity.rsplit("@", 1)[0])
+        from the same files), loaded from `path` first if this engine lacks it (an adapter
+        loaded at run time reaches each worker with its first request there);
+        InvalidRequestError if unknown or if its weights differ here."""
+        name = identity.rsplit("@", 1)[0]
+        if name not in self.loras and path is not None:
+            self.load_lora(name, path)
+        adapter = self.lora(name)
         assert adapter is not None
         if adapter.identity != identity:
             raise InvalidRequestError(f"LoRA adapter {adapter.name!r} has other weights on this "

@@ -189,7 +189,7 @@ class EngineCore:
         self._requests[request_id] = req
         self.scheduler.add(seq)
 
-    def lora_for(self, identity: str) -> Any:
+    def lora_for(self, identity: str, path: str | None = None) -> Any:
         """The adapter a request names by identity (`name@digest`); this engine has none."""
         raise InvalidRequestError(f"this model serves no LoRA adapters (asked for "
                                   f"{identity.rsplit('@', 1)[0]!r})", "model")

@@ -114,6 +114,7 @@ class Add:
     stream: OutputStream
     grammar: Any = None  # the compiled structured-output constraint
     lora: str | None = None  # the LoRA adapter's identity; None: the base model
+    lora_path: str | None = None  # where to load it from if the engine lacks it
 
 
 @dataclass(frozen=True)
@@ -164,9 +165,10 @@ class EngineLoop(threading.Thread):
 
     def add(self, request_id: str, prompt: Iterable[int], params: SamplingParams,
             cache_salt: str | None, stream: OutputStream, tenant: str | None = None,
-            grammar: Any = None, lora: str | None = None) -> None:
+            grammar: Any = None, lora: str | None = None, lora_path: str | None = None
+            ) -> None:
         self._commands.put(Add(request_id, prompt, params, cache_salt, tenant, stream,
-                               grammar, lora))
+                               grammar, lora, lora_path))
 
     def abort(self, request_id: str, notify: bool = False) -> None:
         """Abort a request and free its blocks. ``notify``: its stream still gets the final
@@ -244,7 +246,8 @@ class EngineLoop(threading.Thread):
     def _handle(self, command: Command) -> None:
         if isinstance(command, Add):
             try:
-                lora = None if command.lora is None else self.engine.lora_for(command.lora)
+                lora = None if command.lora is None else self.engine.lora_for(
+                    command.lora, command.lora_path)
                 self.engine.add_request(command.request_id, command.prompt, command.params,
                                         command.cache_salt, command.tenant, command.grammar,
                                         lora)
