@@ -37,6 +37,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from prefixserve.cluster.api_schema import body_doc, openapi_schema, parse_body
+from prefixserve.cluster.chat_protocol import template_tools
 from prefixserve.cluster.errors import ApiError
 from prefixserve.cluster.generation import Generation, to_api_error
 from prefixserve.cluster.guard import Guard, GuardSettings, tenant_salt
@@ -118,8 +119,7 @@ class OpenAIIngress:
                  worker_stall_timeout_s: float | None = None,
                  control_tokens_in_messages: bool = False,
                  tool_call_parser: str | None = None,
-                 lora_ids: dict[str, str] | None = None,
-                 lora_paths: dict[str, str] | None = None,
+                 lora_adapters: list[Adapter] | None = None,
                  allow_runtime_lora_updating: bool = False) -> None:
         Guard.configure(guard)
         self.cpu = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="ingress-cpu")
@@ -144,9 +144,8 @@ class OpenAIIngress:
         self.bounds = RequestLimits(self.max_model_len, vocab_size,
                                     self.tokenizer.max_chars_per_token, guard.max_request_tokens,
                                     guard.max_request_logprobs)
-        self.served = ServedModels(model_name, self.max_model_len, now(), {
-            name: Adapter(identity, (lora_paths or {}).get(name))
-            for name, identity in (lora_ids or {}).items()})
+        self.served = ServedModels(model_name, self.max_model_len, now(),
+                                   {a.name: a for a in lora_adapters or ()})
 
     # -- routes -------------------------------------------------------------------------------
 
@@ -186,7 +185,7 @@ class OpenAIIngress:
             identity = await self.workers.load_lora.remote(req.lora_name, req.lora_path)
         except Exception as exc:
             raise to_api_error(exc) from None
-        self.served.add(req.lora_name, Adapter(identity, req.lora_path))
+        self.served.add(Adapter(req.lora_name, identity, req.lora_path))
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter", openapi_extra=body_doc(UnloadLoRARequest))
@@ -214,9 +213,9 @@ class OpenAIIngress:
         self.served.resolve(req.model)
         if req.messages is not None:
             param = "messages"
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                       req.chat_template_kwargs, req.special_tokens, tools)
+                                       req.chat_template_kwargs, req.special_tokens,
+                                       template_tools(req.tools))
         else:
             param, prompt = "prompt", req.prompt or ""
             self.bounds.chars(len(prompt), param)
@@ -241,7 +240,7 @@ class OpenAIIngress:
     @app.post("/v1/completions", openapi_extra=body_doc(CompletionRequest))
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
-        self.served.resolve(req.model)
+        adapter = self.served.resolve(req.model)
         self.bounds.stop_ids(req.stop_token_ids)
         self.bounds.logit_bias(req.logit_bias_ids)
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
@@ -258,7 +257,7 @@ class OpenAIIngress:
             await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_params(max_tokens, req.logprobs)
         gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
-                               req.cache_salt, req.model)
+                               req.cache_salt, adapter)
         if req.stream:
             return await stream_response(gen, self.render.completion_chunks(gen, req))
         per_choice = await collect(gen)
@@ -268,16 +267,15 @@ class OpenAIIngress:
     @app.post("/v1/chat/completions", openapi_extra=body_doc(ChatCompletionRequest))
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
-        self.served.resolve(req.model)
+        adapter = self.served.resolve(req.model)
         self.bounds.stop_ids(req.stop_token_ids)
         self.bounds.logit_bias(req.logit_bias_ids)
         if req.tool_mode == "auto" and self.render.tool_parser is None:
             raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server '
                            'started with --enable-auto-tool-choice and --tool-call-parser',
                            param="tool_choice")
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs, tools=tools)
+                                   req.chat_template_kwargs, tools=template_tools(req.tools))
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
@@ -287,7 +285,7 @@ class OpenAIIngress:
         await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_params(max_tokens, req.num_logprobs)
         gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
-                               req.cache_salt, req.model)
+                               req.cache_salt, adapter)
         if req.tool_mode == "auto":
             gen.keep_special = self.tool_markers
         if req.stream:
@@ -368,14 +366,13 @@ class OpenAIIngress:
 
     def _generation(self, kind: str, prompts: list[list[int]], sampling: SamplingParams,
                     stops: list[str], request: Request, client_salt: str | None,
-                    model: str | None) -> Generation:
+                    adapter: Adapter | None) -> Generation:
         """The request's worker calls, in the tenant's cache namespace (when API keys are on),
-        under its name in the workers' fair-share queue and under the LoRA adapter `model`
-        names, if any."""
+        under its name in the workers' fair-share queue and under its LoRA adapter, if any."""
         tenant = getattr(request.state, "tenant", None)
         gen = Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
                          tenant_salt(self.salt_secret, tenant, client_salt), tenant,
                          self.stall_timeout_s, self.worker_health.stalled)
-        if (adapter := self.served.resolve(model)) is not None:
-            gen.lora, gen.model, gen.lora_path = adapter.identity, model, adapter.path
+        if adapter is not None:
+            gen.lora, gen.model, gen.lora_path = adapter.identity, adapter.name, adapter.path
         return gen

@@ -29,6 +29,7 @@ from prefixserve.cluster.api import OpenAIIngress
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.guard import GuardSettings
 from prefixserve.cluster.ingress_config import API_KEY_ENV, API_KEYS_ENV
+from prefixserve.cluster.served_models import Adapter
 from prefixserve.router.adapters import adapter_identity
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.router_settings import RouterSettings
@@ -82,9 +83,8 @@ def build_app(config: ClusterConfig) -> Application:
                         worker_stall_timeout_s=stall_timeout_s,
                         control_tokens_in_messages=config.ingress.control_tokens_in_messages,
                         tool_call_parser=config.ingress.auto_tool_parser,
-                        lora_ids={name: adapter_identity(name, path)
-                                  for name, path in config.engine.lora_modules.items()},
-                        lora_paths=config.engine.lora_modules,
+                        lora_adapters=[Adapter(name, adapter_identity(name, path), path)
+                                       for name, path in config.engine.lora_modules.items()],
                         allow_runtime_lora_updating=config.ingress.allow_runtime_lora_updating)
 
 

@@ -170,6 +170,11 @@ class NamedToolChoice(RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+def template_tools(tools: list[ToolDefinition] | None) -> list[dict[str, Any]] | None:
+    """The tools as a chat template reads them (transformers' JSON shape, unset fields out)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def check_tools(tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
     names = [t.function.name for t in tools or []]
     if len(set(names)) != len(names):

@@ -16,6 +16,7 @@ from prefixserve.cluster.responses import ModelCard
 
 @dataclass(frozen=True)
 class Adapter:
+    name: str  # what clients put in `model`
     identity: str  # name@digest
     path: str | None  # where a worker loads it from
 
@@ -52,9 +53,9 @@ class ServedModels:
             raise ApiError(400, f"The lora adapter '{name}' has already been loaded.",
                            param="lora_name")
 
-    def add(self, name: str, adapter: Adapter) -> None:
-        self.check_free(name)
-        self.adapters[name] = adapter
+    def add(self, adapter: Adapter) -> None:
+        self.check_free(adapter.name)
+        self.adapters[adapter.name] = adapter
 
     def remove(self, name: str) -> None:
         if self.adapters.pop(name, None) is None:

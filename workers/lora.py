@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors.torch import load
 
 from prefixserve.router.adapters import CONFIG_FILE, WEIGHTS_FILE, adapter_digest
 from prefixserve.workers.models.config import ModelConfig
@@ -102,8 +102,8 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, dtype: torch.
     rank, scale = _read_config(folder, max_rank)
     file = folder / WEIGHTS_FILE
     try:
-        raw = file.read_bytes()
-        tensors = load_file(str(file))
+        raw = file.read_bytes()  # read once: the tensors and the digest come from it
+        tensors = load(raw)
     except FileNotFoundError:
         raise AdapterError(f"{file} is missing") from None
     except (OSError, SafetensorError) as exc:
