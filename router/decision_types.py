@@ -25,6 +25,7 @@ class RequestContext:
     new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
     depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
+    adapter: str | None = None  # its LoRA adapter's identity; None: the base model
 
 
 def tie_key(ctx: RequestContext, deepest: int) -> bytes:

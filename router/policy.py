@@ -16,6 +16,7 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
                  + uncached_weight * uncached_w / prefill_rate_ref
                  + eviction_weight * fill_w * uncached_w / prefill_rate_ref
                  + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
+                 + adapter_w     (the request's LoRA adapter missing there: router.adapter_slots)
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
 unmeasured worker is assumed as fast as the measured mean). The second is this request's own
@@ -91,6 +92,9 @@ class PolicyConfig:
     eviction_weight: float = _weight(
         0.5, "Cost of the room an uncached token takes, in token-times at a full KV pool (in "
         "proportion to how full it is): the cached token it displaces may be asked for again")
+    adapter_miss_s: float = _weight(
+        0.05, "Least cost, in seconds, of a request whose LoRA adapter a worker must load "
+        "into a full set of batch slots: the load, the adapter it evicts, the wait for a slot")
     tie_tolerance_s: float = _weight(
         0.001, "Costs this close tie (absorbs stale-load noise, about 2 running sequences)")
 
@@ -104,6 +108,8 @@ class PolicyConfig:
         if self.uncached_weight < 1.0 or self.decode_weight < 0 or self.eviction_weight < 0:
             raise ValueError(
                 "uncached_weight must be >= 1, decode_weight and eviction_weight >= 0")
+        if self.adapter_miss_s < 0:
+            raise ValueError("adapter_miss_s must be >= 0")
 
 
 # WorkerView and Score are made for every worker on every decision: slotted, not frozen (a
@@ -171,6 +177,9 @@ class Fleet:
     pending_tokens: Sequence[int]
     pending_requests: Sequence[int]
     queue_len: Sequence[int]  # 0 where Serve's count is unknown
+    # seconds to make the request's LoRA adapter usable there (router.adapter_slots); empty:
+    # the base model
+    adapter_s: Sequence[float] = ()
 
     @classmethod
     def of_rows(cls, rows: Sequence[tuple[str, int, int, WorkerLoad | None, int, int, int]],
@@ -249,6 +258,8 @@ def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate:
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
     cost += config.eviction_weight * uncached * fill / ref_rate
     cost += config.decode_weight * running / decode_rate
+    if len(fleet.adapter_s):
+        cost += np.asarray(fleet.adapter_s, dtype=float)
     new_tokens = num_prompt_tokens - np.minimum(depth * config.block_size, num_prompt_tokens - 1)
     idle = (waiting == 0) & (reported_queue == 0) & (pending == 0)
     busy = np.where(idle, np.minimum(busy, 1.0), 1.0)

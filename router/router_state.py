@@ -2,9 +2,10 @@
 
 :class:`RouterState` holds one router's bookkeeping: each pending request's hashed chain, what
 it routed and where (:mod:`router.in_flight`), its own recent decisions
-(:mod:`router.predictions`), the last loads it saw and whether the index may be used
-(:mod:`router.index_gate`). From that and an index lookup it builds the fleet's columns
-(:class:`router.policy.Fleet`) and ranks them. :mod:`router.request_router` only adapts Serve's
+(:mod:`router.predictions`), the last loads it saw, which LoRA adapters each worker holds
+(:mod:`router.adapter_slots`) and whether the index may be used (:mod:`router.index_gate`).
+From that and an index lookup it builds the fleet's columns (:class:`router.policy.Fleet`)
+and ranks them. :mod:`router.request_router` only adapts Serve's
 calls to it and does the index I/O, so every decision here is testable on plain values.
 """
 
@@ -21,6 +22,7 @@ from collections.abc import (
 )
 from dataclasses import fields
 
+from prefixserve.router.adapter_slots import AdapterSlots
 from prefixserve.router.adapters import adapter_fingerprint
 from prefixserve.router.blocks import Chain, ChainMemo, namespace
 from prefixserve.router.chains import goes_past
@@ -62,6 +64,7 @@ class RouterState:
         self.routed = InFlight()
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
+        self.adapters = AdapterSlots()  # which LoRA adapters each worker holds in its slots
         run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
         self.memo = ChainMemo(settings.block_size, settings.hash_memo_tokens // run_tokens)
         self._first_blocks = max(1, _FIRST_HASH_TOKENS // settings.block_size)
@@ -92,7 +95,7 @@ class RouterState:
             ).digest()
         full = min(len(matched), limit) // self.settings.block_size
         ctx = RequestContext(chain, spread, max(1, len(tokens)), now, matched, ns,
-                             len(chain) == full)
+                             len(chain) == full, adapter=adapter)
         self.contexts[key] = ctx
         if len(self.contexts) > _MAX_CONTEXTS:
             for stale in [k for k, c in self.contexts.items()
@@ -166,8 +169,11 @@ class RouterState:
                 predicted[i] = max(predicted[i], depth)
         loads = self.loads_for(candidates, result, now)
         tokens, count = self.backlog(key, ctx.chain, at, loads)
+        adapter_s = () if ctx.adapter is None else self.adapters.prices(
+            ctx.adapter, [(c.key, c.routing_stats) for c in candidates], now,
+            self.settings.weights.adapter_miss_s)
         fleet = Fleet(keys, confirmed, predicted, loads, tokens, count,
-                      [c.queue_len or 0 for c in candidates])
+                      [c.queue_len or 0 for c in candidates], adapter_s)
         deepest = max(max(confirmed, default=0), max(predicted, default=0))
         ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
                        tie_key(ctx, deepest))
@@ -196,6 +202,8 @@ class RouterState:
         """The request goes (or went) to ``worker``: count its prefill there until reported."""
         if ctx.chain:
             self.local.record(ctx.chain, worker, now)
+        if ctx.adapter is not None:
+            self.adapters.note(worker, ctx.adapter, now)
         self._track(key, worker, ctx, internal_id, now)
 
     def _track(

@@ -50,12 +50,12 @@ def fail_once(engine: LLMEngine, when: Callable[[int], bool]) -> list[int]:
     real = engine.runner.execute
     calls: list[int] = []
 
-    def execute(sched):
+    def execute(sched, adapters=None):
         calls.append(len(calls))
         if when(len(calls) - 1) and not getattr(execute, "fired", False):
             execute.fired = True
             raise RuntimeError("injected forward failure")
-        return real(sched)
+        return real(sched, adapters)
 
     engine.runner.execute = execute
     return calls

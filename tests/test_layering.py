@@ -19,10 +19,11 @@ PACKAGES = ("router", "workers", "cluster", "bench")
 NAMESPACE = "prefixserve"
 
 # What `workers` may take from `router`: the block/event/request protocol (sampling settings,
-# the request error and a LoRA adapter's place in the cache key included), the index seam and
-# the publisher that feeds it. Nothing of the routing policies or the Serve router.
-WORKERS_MAY_IMPORT = {"router.adapters", "router.blocks", "router.errors", "router.events",
-                      "router.index",
+# the request error, a LoRA adapter's place in the cache key and the report of a worker's
+# adapter slots included), the index seam and the publisher that feeds it. Nothing of the
+# routing policies or the Serve router.
+WORKERS_MAY_IMPORT = {"router.adapter_slots", "router.adapters", "router.blocks",
+                      "router.errors", "router.events", "router.index",
                       "router.index_stores", "router.publisher", "router.request",
                       "router.registry", "router.sampling_params", "router.secret_refs"}
 

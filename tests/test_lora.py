@@ -100,7 +100,8 @@ MIX: list[str | None] = ["all", "qv-down", None, "mlp-o", "all"]
     ({}, NEW_TOKENS),
     ({"max_num_batched_tokens": 12}, NEW_TOKENS),  # chunked prefill: prompts split in steps
     ({"num_blocks": 16}, 24),  # outputs outgrow the pool: preemption by recompute
-], ids=["plain", "chunked", "preempted"])
+    ({"max_loras": 1, "max_cpu_loras": 1}, NEW_TOKENS),  # one slot, one host copy: churn
+], ids=["plain", "chunked", "preempted", "one-slot"])
 def test_a_mixed_batch_matches_peft_per_adapter(models: tuple, config: dict, new: int) -> None:
     base, folders, refs = models
     eng = _engine(base, folders, **config)
@@ -116,6 +117,9 @@ def test_a_mixed_batch_matches_peft_per_adapter(models: tuple, config: dict, new
         assert eng.scheduler.num_preemptions > 0
     else:
         assert all(o.num_cached_tokens >= 16 for o in again)
+    if "max_loras" in config:  # every adapter was loaded, evicted and read back
+        lora = eng.stats().lora
+        assert lora.evictions >= 5 and lora.loads == lora.evictions + 1 and lora.reads >= 5
     assert expected[0] != expected[2]  # the adapters do change the answer
 
 
@@ -131,8 +135,8 @@ def test_each_adapter_has_its_own_cache_entries(models: tuple) -> None:
         second = eng.generate([prompt], GREEDY, lora=name)[0]
         assert second.num_cached_tokens == 32, name
         assert second.samples[0].token_ids == first.samples[0].token_ids
-    assert eng.namespace(None, eng.loras["all"].identity) != eng.namespace(None)
-    assert eng.namespace("salt", eng.loras["all"].identity) != eng.namespace("salt")
+    assert eng.namespace(None, eng.lora("all").identity) != eng.namespace(None)
+    assert eng.namespace("salt", eng.lora("all").identity) != eng.namespace("salt")
 
 
 def _broken(folders: dict[str, Path], root: Path, how: str) -> Path:
@@ -164,7 +168,7 @@ def test_bad_adapters_are_refused_with_the_reason(models: tuple, tmp_path: Path)
     for folder, reason in cases:
         with pytest.raises(AdapterError, match=reason):
             eng.add_lora("x", folder)
-        assert eng.loras == {}  # nothing loaded
+        assert (eng.lora_store.known, eng.lora_store.host) == ({}, {})  # nothing loaded
     with pytest.raises(InvalidRequestError, match="no LoRA adapter named 'x'") as info:
         eng.generate([[1, 2, 3]], GREEDY, lora="x")
     assert info.value.param == "model"
@@ -180,7 +184,7 @@ def test_removing_an_adapter_lets_its_requests_finish(models: tuple) -> None:
     tokens: list[int] = []
     for out in eng.step():
         tokens += out.new_token_ids if out.request_id == "r" else []
-    assert eng.stats().running_loras == ("all",) and eng.stats().num_loras == 1
+    assert eng.stats().running_loras == ("all",) and eng.stats().lora.registered == 1
     eng.remove_lora("all")
     with pytest.raises(InvalidRequestError):
         eng.lora("all")  # no new requests under it
@@ -188,4 +192,6 @@ def test_removing_an_adapter_lets_its_requests_finish(models: tuple) -> None:
         for out in eng.step():
             tokens += out.new_token_ids if out.request_id == "r" else []
     assert tokens == _greedy(refs["all"], prompt)
-    assert eng.stats().num_loras == 0
+    assert eng.stats().lora.registered == 0
+    eng.lora_store.prefetch("all", str(folders["all"]))  # a later read: the host copy went
+    assert eng.stats().lora.reads == 2

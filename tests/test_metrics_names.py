@@ -19,7 +19,7 @@ from test_router_state import ABC, TOKENS_A, lookup, state
 
 from prefixserve.router.decision_types import Outcome
 from prefixserve.router.request import TokenDelta
-from prefixserve.workers.engine_types import EngineStats
+from prefixserve.workers.engine_types import EngineStats, LoRAStats
 from prefixserve.workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -144,12 +144,17 @@ def test_abandoned_samples_count_once_with_the_reason() -> None:
 
 def test_snapshot_counters_take_increments_of_the_engine_totals() -> None:
     m = recorded()
-    stats = EngineStats(100, 40, 0.5, 3, 2, 0, 0.0, 0.0, 10, 20, num_preemptions=1)
+    stats = EngineStats(100, 40, 0.5, 3, 2, 0, 0.0, 0.0, 10, 20, num_preemptions=1,
+                        lora=LoRAStats(loads=3, reads=2, evictions=1))
     m.update(stats)
-    m.update(EngineStats(150, 40, 0.25, 1, 0, 0, 0.0, 0.0, 15, 20, num_preemptions=1))
+    m.update(EngineStats(150, 40, 0.25, 1, 0, 0, 0.0, 0.0, 15, 20, num_preemptions=1,
+                         lora=LoRAStats(loads=5, reads=2, evictions=2)))
     assert values(m, "vllm_prefix_cache_queries") == [100, 50]
     assert values(m, "vllm_prefix_cache_hits") == [40]
     assert values(m, "vllm_num_preemptions") == [1]
+    assert values(m, "prefixserve_lora_loads") == [3, 2]
+    assert values(m, "prefixserve_lora_reads") == [2]
+    assert values(m, "prefixserve_lora_evictions") == [1, 1]
     assert [v for v, _ in m.gauges["vllm_kv_cache_usage_perc"].values] == [0.5, 0.25]
 
 
@@ -160,7 +165,8 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:
     m.lora_info = Recorder()
     m.update(EngineStats(0, 0, 0.0, 0, 0, 0, 0.0, 0.0, 10, 20))
     assert m.lora_info.values == []
-    m.update(EngineStats(0, 0, 0.0, 2, 1, 0, 0.0, 0.0, 10, 20, num_loras=3,
+    m.update(EngineStats(0, 0, 0.0, 2, 1, 0, 0.0, 0.0, 10, 20,
+                         lora=LoRAStats(registered=5, max_loras=3),
                          running_loras=("a", "b"), waiting_loras=("c",)))
     [(value, tags)] = m.lora_info.values
     assert tags == {"running_lora_adapters": "a,b", "waiting_lora_adapters": "c",

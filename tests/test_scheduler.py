@@ -152,3 +152,40 @@ def test_a_preempted_sequence_resumes_before_a_less_served_tenant() -> None:
     sched.finish(a, "stop")
     # B runs nothing and A one, yet c keeps its place at the front as a preempted sequence
     assert list(run_step(sched)) == ["b", "c", "d"]
+
+
+def adapter_seq(name: str, adapter: str | None, first: int) -> Sequence:
+    s = seq(name, 5, first)
+    s.adapter = adapter
+    return s
+
+
+def test_running_sequences_use_at_most_max_loras_adapters() -> None:
+    """A sequence whose adapter would be one too many waits; those behind it (the base model,
+    an adapter already running) go first, and it runs once a slot's requests finish."""
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=8, max_num_batched_tokens=100,
+                      max_loras=2)
+    queued = [adapter_seq("x1", "x", 0), adapter_seq("y1", "y", 10), adapter_seq("z1", "z", 20),
+              adapter_seq("base", None, 30), adapter_seq("x2", "x", 40)]
+    for s in queued:
+        sched.add(s)
+    assert list(run_step(sched)) == ["x1", "y1", "base", "x2"]
+    assert sched.running_adapters() == {"x", "y"} and list(sched.waiting) == [queued[2]]
+    sched.finish(queued[0], "stop")
+    assert list(run_step(sched)) == ["y1", "base", "x2"]  # x still runs (x2): z waits
+    sched.finish(queued[4], "stop")
+    assert list(run_step(sched)) == ["y1", "base", "z1"]
+    assert sched.running_adapters() == {"y", "z"}
+
+
+def test_a_preempted_sequence_whose_adapter_has_no_slot_lets_others_pass() -> None:
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=8, max_num_batched_tokens=100,
+                      max_loras=1)
+    waiting, base = adapter_seq("w", "w", 0), adapter_seq("base", None, 10)
+    waiting.num_preemptions = 1
+    running = adapter_seq("r", "r", 20)
+    sched.add(running)
+    run_step(sched)
+    sched.waiting.extend([waiting, base])
+    assert list(run_step(sched)) == ["r", "base"]
+    assert list(sched.waiting) == [waiting]

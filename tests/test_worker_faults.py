@@ -23,7 +23,7 @@ async def test_a_failed_step_fails_its_request_and_unpublishes_its_blocks(
         engine = w._loop_thread.engine
         real = engine.runner.execute
 
-        def execute(sched):  # fault injection into this worker's own engine, once
+        def execute(sched, adapters=None):  # fault injection into this worker's own engine, once
             engine.runner.execute = real
             raise RuntimeError("injected forward failure")
 

@@ -22,9 +22,9 @@ def wrap_execute(worker: LLMWorker, before: Callable[[], None]) -> None:
     runner = worker.engine.runner
     real = runner.execute
 
-    def execute(sched: SchedulerOutput):
+    def execute(sched: SchedulerOutput, adapters=None):
         before()
-        return real(sched)
+        return real(sched, adapters)
 
     runner.execute = execute
 

@@ -38,6 +38,7 @@ from typing import Any
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from prefixserve.router.adapter_slots import SlotReport
 from prefixserve.router.events import KVEvent, WorkerLoad
 from prefixserve.router.index import IndexSettings
 from prefixserve.router.index_stores import open_index
@@ -101,8 +102,7 @@ class LLMWorker:
                 client for the same tokens; the first token always goes out at once.
             drain_timeout_s: how long a stopping replica lets in-flight streams finish before
                 aborting them: the deployment's ``graceful_shutdown_timeout_s``.
-            stall_timeout_s: how long one round of engine work may run before the health check
-                fails and Serve restarts the replica.
+            stall_timeout_s: how long one round of engine work may run before Serve restarts it.
             keepalive_s: a stream with no output for this long gets a keepalive delta, so the
                 ingress's progress deadline tells a busy worker from a stopped one.
         """
@@ -179,6 +179,8 @@ class LLMWorker:
             raise RuntimeError(f"worker {self.replica_id} is shutting down")
         grammar = None if params.structured is None else await compile_in_thread(
             getattr(self.engine, "compile", None), params)  # on a thread, not the engine loop
+        if request.lora is not None and hasattr(self.engine, "prefetch_lora"):  # likewise
+            await asyncio.to_thread(self.engine.prefetch_lora, request.lora, request.lora_path)
         request_id = f"{request.request_id}#{next(self._ids)}"
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
         timing = self._metrics.request(time.perf_counter(), params.n)
@@ -276,13 +278,14 @@ class LLMWorker:
         return stats.load(taken_at)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's periodic hook: what routers may use when the index has nothing."""
-        return {
-            "worker": self.replica_id,
-            "block_size": self.block_size,
-            "fingerprint": self.fingerprint,
-            "load": asdict(self.load()),
-        }
+        """Serve's periodic hook: what routers may use when the index has nothing, and the
+        LoRA adapters in the batch's slots (router.adapter_slots)."""
+        stats, at = self._loop_thread.snapshot
+        lora = stats.lora
+        slots = SlotReport(lora.resident, lora.max_loras, lora.load_s, at)
+        return {"worker": self.replica_id, "block_size": self.block_size,
+                "fingerprint": self.fingerprint, "load": asdict(stats.load(at)),
+                **(slots.stats() if lora.registered or lora.resident else {})}
 
     async def check_health(self) -> None:
         """Healthy while the engine loop runs and comes round: a step stuck for
@@ -353,11 +356,8 @@ class LLMWorker:
             await asyncio.wait_for(self._drained.wait(), ABORT_GRACE_S)
 
     def __del__(self) -> Any:
-        """Serve's graceful-shutdown hook: Serve awaits the coroutine returned here.
-
-        Called by the garbage collector instead (no running loop of ours), it only stops the
-        engine thread; the index entries go when the lease expires.
-        """
+        """Serve's graceful-shutdown hook: Serve awaits the coroutine returned here. Called by
+        the garbage collector instead, it only stops the engine thread (the lease expires)."""
         if getattr(self, "_closed", True) or getattr(self, "_loop_thread", None) is None:
             return None
         try:

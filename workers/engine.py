@@ -23,6 +23,7 @@ from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max
 from prefixserve.workers.engine_types import (
     EngineConfig,
     GenerateOutput,
+    LoRAStats,
     RequestOutput,
     SampleOutput,
 )
@@ -36,6 +37,7 @@ from prefixserve.workers.kv_tensor import (
 )
 from prefixserve.workers.logits_processors import TokenHistory, needs_history
 from prefixserve.workers.lora import AdapterError, LoRAAdapter, load_adapter
+from prefixserve.workers.lora_store import AdapterRef, LoRAStore
 from prefixserve.workers.model_runner import ModelRunner, keep_cpu_heap
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.models.loader import load_model, resolve_device
@@ -70,6 +72,8 @@ class LLMEngine(EngineCore):
         self.model_config = mc
         self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size)
+        self.lora_store = LoRAStore(self._read_lora, self._adapters_in_use, device,
+                                    config.max_loras, config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler()
         # structured outputs need the vocabulary's text: the checkpoint's tokenizer
         self.grammars = None if tokenizer_path is None else GrammarCompiler(
@@ -102,22 +106,23 @@ class LLMEngine(EngineCore):
         if req.grammar is not None:
             seq.extra["matcher"] = new_matcher(req.grammar)
         if req.lora is not None:
+            self.lora_store.hold(req.lora)
             seq.extra["lora"] = req.lora
 
     # ----------------------------------------------------------------- LoRA adapters
 
-    def add_lora(self, name: str, path: str | Path) -> LoRAAdapter:
-        """Load the adapter at `path` as `name`; AdapterError (nothing loaded) when it does
+    def _read_lora(self, name: str, path: str) -> LoRAAdapter:
+        return load_adapter(name, path, self.model_config, self.model.dtype,
+                            torch.device("cpu"), self.config.max_lora_rank)
+
+    def add_lora(self, name: str, path: str | Path) -> AdapterRef:
+        """Serve the adapter at `path` as `name`; AdapterError (nothing loaded) when it does
         not fit this model. A name already taken is replaced for later requests."""
-        adapter = load_adapter(name, path, self.model_config, self.model.dtype,
-                               self.kv_cache.device, self.config.max_lora_rank)
-        self.loras[name] = adapter
-        return adapter
+        return self.lora_store.register(name, str(path))
 
     def remove_lora(self, name: str) -> None:
-        """Admit no more requests under `name`; the running ones finish under it (they hold
-        the adapter's weights)."""
-        self.loras.pop(name, None)
+        """Admit no more requests under `name`; the queued and running ones finish under it."""
+        self.lora_store.remove(name)
 
     def load_lora(self, name: str, path: str) -> str:
         """`add_lora` for a request of the API: the adapter's identity, or its AdapterError
@@ -127,30 +132,64 @@ class LLMEngine(EngineCore):
         except AdapterError as exc:
             raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from None
 
-    def lora_for(self, identity: str, path: str | None = None) -> LoRAAdapter:
+    def lora_for(self, identity: str, path: str | None = None) -> AdapterRef:
         """The adapter a request names by identity (`name@digest`, as the ingress computed it
-        from the same files), loaded from `path` first if this engine lacks it (an adapter
-        loaded at run time reaches each worker with its first request there);
-        InvalidRequestError if unknown or if its weights differ here."""
+        from the same files), registered from `path` first if this engine lacks it (an adapter
+        loaded at run time reaches each worker with its first request there; the worker reads
+        it before it queues: `LoRAStore.prefetch`); InvalidRequestError if unknown or if its
+        weights differ here."""
         name = identity.rsplit("@", 1)[0]
-        if name not in self.loras and path is not None:
-            self.load_lora(name, path)
-        adapter = self.lora(name)
-        assert adapter is not None
-        if adapter.identity != identity:
-            raise InvalidRequestError(f"LoRA adapter {adapter.name!r} has other weights on this "
-                                      f"worker ({adapter.identity}) than asked ({identity})",
+        known = self.lora_store.known.get(name)
+        if (known is None or known.identity != identity) and path is not None:
+            try:
+                return self.lora_store.register(name, path, identity)
+            except AdapterError as exc:
+                raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "model") from None
+        ref = self.lora(name)
+        assert ref is not None
+        if ref.identity != identity:
+            raise InvalidRequestError(f"LoRA adapter {name!r} has other weights on this "
+                                      f"worker ({ref.identity}) than asked ({identity})",
                                       "model")
-        return adapter
+        return ref
 
-    def lora(self, name: str | None) -> LoRAAdapter | None:
+    def prefetch_lora(self, identity: str, path: str | None) -> None:
+        """Read the adapter a request names into host memory unless held, so that `lora_for`
+        on the engine loop finds it there. Safe on any thread (the store's host copies are
+        locked); an adapter this engine cannot find is left to `lora_for` to refuse."""
+        name = identity.rsplit("@", 1)[0]
+        known = self.lora_store.known.get(name)
+        path = path or (known.path if known is not None else None)
+        if path is None:
+            return
+        try:
+            self.lora_store.prefetch(name, path, identity)
+        except AdapterError as exc:
+            raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "model") from None
+
+    def lora(self, name: str | None) -> AdapterRef | None:
         """The adapter called `name` (None: the base model); InvalidRequestError if unknown."""
         if name is None:
             return None
-        adapter = self.loras.get(name)
-        if adapter is None:
+        ref = self.lora_store.known.get(name)
+        if ref is None:
             raise InvalidRequestError(f"no LoRA adapter named {name!r} is loaded", "model")
-        return adapter
+        return ref
+
+    def lora_stats(self) -> LoRAStats:
+        return self.lora_store.stats()
+
+    def _adapters_in_use(self) -> set[str]:
+        s = self.scheduler
+        return {q.adapter for q in (*s.running, *s.waiting) if q.adapter is not None}
+
+    def _step_adapters(self, sched: SchedulerOutput) -> list[LoRAAdapter | None]:
+        """Each scheduled sequence's adapter, in a batch slot."""
+        needed = {seq.adapter for seq in sched.seqs if seq.adapter is not None}
+        if not needed:
+            return [None] * len(sched.seqs)
+        slots = self.lora_store.activate(needed, self.scheduler.running_adapters())
+        return [None if seq.adapter is None else slots[seq.adapter] for seq in sched.seqs]
 
     # ----------------------------------------------------------------- the step
 
@@ -161,7 +200,7 @@ class LLMEngine(EngineCore):
         if copies:
             copy_blocks(self.kv_cache, copies)
         start = time.perf_counter()
-        logits, sampled = self.runner.execute(sched)
+        logits, sampled = self.runner.execute(sched, self._step_adapters(sched))
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
             seq.num_computed_tokens += n
         if logits is not None:

@@ -26,6 +26,7 @@ from prefixserve.workers.engine_types import (
     BusyShare,
     EngineConfig,
     EngineStats,
+    LoRAStats,
     RequestOutput,
 )
 from prefixserve.workers.errors import InvalidRequestError, StepFailedError
@@ -81,11 +82,11 @@ class EngineCore:
         self.max_model_len = fit_max_model_len(
             config.max_model_len, model_max_len, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_loras)
         self._requests: dict[str, EngineRequest] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, delivered by the next step
         self._ns_cache: dict[tuple[str | None, str | None], bytes] = {}
-        self.loras: dict[str, Any] = {}  # LoRA adapters by name (the real engine loads them)
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
         self._busy = BusyShare()
@@ -183,7 +184,7 @@ class EngineCore:
         hasher.append(prompt)
         seq = Sequence(seq_id=f"{request_id}#0", request_id=request_id, index=0,
                        token_ids=prompt, num_prompt_tokens=len(prompt), params=sampling_params,
-                       hasher=hasher, tenant=tenant)
+                       hasher=hasher, tenant=tenant, adapter=adapter)
         self._init_seq(seq, req)
         req.seqs.append(seq)
         self._requests[request_id] = req
@@ -266,7 +267,7 @@ class EngineCore:
                 hasher=copy.deepcopy(parent.hasher),
                 num_computed_tokens=parent.num_computed_tokens,
                 num_cached_tokens=parent.num_cached_tokens, status=SeqStatus.RUNNING,
-                forked=True, tenant=parent.tenant)
+                forked=True, tenant=parent.tenant, adapter=parent.adapter)
             self._init_seq(child, req)
             self.kv.fork(parent.seq_id, child.seq_id)
             self.scheduler.running.append(child)
@@ -358,10 +359,14 @@ class EngineCore:
             num_preemptions=s.num_preemptions,
             num_empty_blocks=self.kv.num_empty_blocks,
             busy_share=self._busy.read(self.clock()),
-            num_loras=len(self.loras),
+            lora=self.lora_stats(),
             running_loras=_adapter_names(s.running),
             waiting_loras=_adapter_names(s.waiting),
         )
+
+    def lora_stats(self) -> LoRAStats:
+        """Where this engine's LoRA adapters are; this one serves none."""
+        return LoRAStats()
 
     def cached_block_hashes(self) -> list[bytes]:
         return self.kv.cached_hashes()

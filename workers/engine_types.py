@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +52,11 @@ class EngineConfig(BaseModel):
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
     max_lora_rank: int = Field(16, ge=1, description="Largest rank of a LoRA adapter the "
                                "engine takes (vLLM's --max-lora-rank)")
+    max_loras: int = Field(4, ge=1, description="LoRA adapters one step mixes, held in its "
+                           "slots, least recently used evicted (vLLM's --max-loras)")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="LoRA adapters kept in host memory beyond those queued "
+        "requests use, least recently used dropped (vLLM's --max-cpu-loras); default max_loras")
     lora_modules: dict[str, str] = Field(
         default_factory=dict, description="LoRA adapters every worker loads at start, served "
         "under their names as models (vLLM's --lora-modules): `name=path` pairs separated by "
@@ -84,6 +89,12 @@ class EngineConfig(BaseModel):
                     raise ValueError(f"adapter {name!r}: {folder} has no {', '.join(missing)}")
                 value[name] = str(folder.resolve())
         return value
+
+    @model_validator(mode="after")
+    def _lora_bounds(self) -> EngineConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("max_cpu_loras must be >= max_loras")
+        return self
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> EngineConfig:
@@ -119,6 +130,19 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
 
 
+@dataclass(frozen=True)
+class LoRAStats:
+    """Where a worker's LoRA adapters are (workers/lora_store.py)."""
+
+    registered: int = 0  # adapters served by name
+    max_loras: int = 0  # batch slots
+    resident: tuple[str, ...] = ()  # identities in slots, least recently used first
+    loads: int = 0  # into a slot, cumulative
+    reads: int = 0  # from their files, cumulative
+    evictions: int = 0  # from a slot, cumulative
+    load_s: float = 0.0  # smoothed seconds a slot load took
+
+
 @dataclass
 class EngineStats:
     prompt_tokens_queried: int  # cumulative, in tokens (vLLM style)
@@ -134,7 +158,7 @@ class EngineStats:
     num_preemptions: int = 0
     num_empty_blocks: int = 0  # free blocks holding no cached prefix (room that evicts nothing)
     busy_share: float = 0.0  # of recent time spent in steps (BusyShare)
-    num_loras: int = 0  # LoRA adapters loaded (all resident)
+    lora: LoRAStats = field(default_factory=LoRAStats)
     running_loras: tuple[str, ...] = ()  # adapters of running sequences, sorted
     waiting_loras: tuple[str, ...] = ()  # adapters of waiting ones
 

@@ -59,6 +59,12 @@ class LoRAAdapter:
     def identity(self) -> str:
         return f"{self.name}@{self.digest}"
 
+    def to(self, device: torch.device) -> LoRAAdapter:
+        """The adapter with its tensors on ``device`` (itself when they are there already)."""
+        layers = [{part: (a.to(device), b.to(device)) for part, (a, b) in layer.items()}
+                  for layer in self.layers]
+        return LoRAAdapter(self.name, self.digest, self.rank, layers)
+
 
 def projection_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
     """(in, out) features of each target projection."""

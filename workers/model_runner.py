@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
 
 from prefixserve.workers.attention.metadata import AttentionMetadata
-from prefixserve.workers.lora import LoRABatch
+from prefixserve.workers.lora import LoRAAdapter, LoRABatch
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
@@ -76,12 +77,14 @@ class ModelRunner:
         return ids, torch.from_numpy(pos).to(dev), meta, sampled
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Run the batch, each sequence under its LoRA adapter (`seq.extra["lora"]`) if any;
-        logits [len(sampled), vocab] float32 (None when nothing samples)."""
+    def execute(self, sched: SchedulerOutput, adapters: Seq[LoRAAdapter | None] | None = None,
+                ) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the batch, each sequence under its LoRA adapter (`adapters`, one per scheduled
+        sequence; None: the base model); logits [len(sampled), vocab] float32 (None when
+        nothing samples)."""
         ids, positions, meta, sampled = self.prepare(sched)
-        lora = LoRABatch.of([seq.extra.get("lora") for seq in sched.seqs],
-                            sched.num_new_tokens, self.device)
+        lora = None if adapters is None else LoRABatch.of(adapters, sched.num_new_tokens,
+                                                          self.device)
         logits = self.model(ids, positions, meta, self.kv_cache, lora)
         return (logits if sampled else None), sampled
 

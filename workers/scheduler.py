@@ -10,8 +10,10 @@ prompt. Nothing is re-hashed on a retry.
 Admission is fair across tenants: a preempted sequence resumes first; otherwise the oldest
 waiting sequence of the tenant with the fewest running sequences goes next (ties: the oldest),
 so one tenant's flood cannot hold another's request behind it. Within a tenant, and with a
-single tenant, this is plain FIFO. Picking walks the waiting queue, which Serve bounds
-(``max_ongoing_requests`` x ``n``); other work per step is O(scheduled sequences).
+single tenant, this is plain FIFO. Running sequences use at most ``max_loras`` distinct LoRA
+adapters (the batch's slots): a sequence whose adapter would be one too many waits, and those
+behind it go first, as vLLM's scheduler skips it. Picking walks the waiting queue, which Serve
+bounds (``max_ongoing_requests`` x ``n``); other work per step is O(scheduled sequences).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Sequence:
     forked: bool = False  # the n-1 siblings of an n > 1 request have been created
     extra: dict[str, Any] = field(default_factory=dict)  # engine-private per-sample state
     tenant: str | None = None  # whose share of the batch it uses (fair admission)
+    adapter: str | None = None  # its LoRA adapter's identity: a batch slot while it runs
 
     @property
     def num_tokens(self) -> int:
@@ -85,10 +88,12 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_loras: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -156,8 +161,11 @@ class Scheduler:
         if out.preempted or out.too_long:
             return out
         running = Counter(s.tenant for s in self.running)
+        adapters = self.running_adapters()
         while self.waiting and budget > 0:
-            seq = self._next_waiting(running)
+            seq = self._next_waiting(running, adapters)
+            if seq is None:
+                break
             fanout = 1 if seq.forked else seq.params.n
             if len(self.running) + fanout > self.max_num_seqs and self.running:
                 break
@@ -171,6 +179,8 @@ class Scheduler:
             else:
                 self.waiting.remove(seq)
             running[seq.tenant] += fanout
+            if seq.adapter is not None:
+                adapters.add(seq.adapter)
             seq.num_computed_tokens = num_computed
             seq.status = SeqStatus.RUNNING
             if seq.num_cached_tokens < 0:
@@ -182,21 +192,31 @@ class Scheduler:
             budget -= n
         return out
 
-    def _next_waiting(self, running: Counter[str | None]) -> Sequence:
-        """The sequence whose turn it is: a preempted one (they sit at the front) keeps its
-        place; else the oldest one of the tenant running the fewest sequences, ties to the
-        oldest. With one tenant this is the queue's head, as FIFO."""
-        best = self.waiting[0]
-        if best.num_preemptions:
-            return best
-        seen = {best.tenant}
+    def running_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    def _next_waiting(self, running: Counter[str | None], adapters: set[str]) -> Sequence | None:
+        """The sequence whose turn it is, among those whose adapter fits the batch's slots
+        (None: none does): a preempted one (they sit at the front) keeps its place; else the
+        oldest one of the tenant running the fewest sequences, ties to the oldest. With one
+        tenant and no adapters this is the queue's head, as FIFO."""
+        full = len(adapters) >= self.max_loras
+        best: Sequence | None = None
+        seen: set[str | None] = set()
         for seq in self.waiting:
-            if running[best.tenant] == 0:
-                break  # nobody runs fewer
-            if seq.tenant not in seen:
+            if full and seq.adapter is not None and seq.adapter not in adapters:
+                continue
+            if best is None:
+                best = seq
+                if seq.num_preemptions:
+                    return seq
+                seen.add(seq.tenant)
+            elif seq.tenant not in seen:
                 seen.add(seq.tenant)
                 if running[seq.tenant] < running[best.tenant]:
                     best = seq
+            if running[best.tenant] == 0:
+                break  # nobody runs fewer
         return best
 
     @staticmethod
