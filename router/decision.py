@@ -128,6 +128,7 @@ class RoutingCore:
             return result
 
         result = await state.match(ctx, lookup, now)
+        ctx.failopen = next((a.failopen for a in attempts if a.failopen), None)
         matched = clock()
         ranking = state.rank(key, ctx, candidates, result, now)
         ranked = clock()

@@ -26,6 +26,7 @@ class RequestContext:
     depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
     adapter: str | None = None  # its LoRA adapter's identity; None: the base model
+    failopen: str | None = None  # why its lookup failed open, if it did
 
 
 def tie_key(ctx: RequestContext, deepest: int) -> bytes:

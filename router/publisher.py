@@ -109,6 +109,7 @@ class EventPublisher:
         heartbeat_interval_s: float | None = None,
         gc_interval_s: float = 30.0,
         max_pending_events: int = 100_000,
+        on_lag: Callable[[float], None] | None = None,
     ) -> None:
         self.index = index
         self.replica_id = replica_id
@@ -127,6 +128,8 @@ class EventPublisher:
         self.stats = PublisherStats()
         self._lock = threading.Lock()
         self._pending: list[KVEvent] = []
+        self._pending_at: list[float] = []  # per pending event, when it was published
+        self._on_lag = on_lag  # seconds from a batch's oldest event's step to its apply
         self._dirty = True  # nothing is known to be in the index until the first resync
         self._worker_id: int | None = None
         self._seq = 0
@@ -150,9 +153,10 @@ class EventPublisher:
                 self.stats.dropped_events += len(events)  # the next resync covers them
                 return
             self._pending.extend(events)
+            self._pending_at.extend([time.monotonic()] * len(events))
             if len(self._pending) > self.max_pending_events:
                 self.stats.dropped_events += len(self._pending)
-                self._pending.clear()
+                self._clear_pending()
                 self._dirty = True
         self._notify()
 
@@ -185,8 +189,12 @@ class EventPublisher:
     def _mark_dirty(self) -> None:
         with self._lock:
             self.stats.dropped_events += len(self._pending)
-            self._pending.clear()
+            self._clear_pending()
             self._dirty = True
+
+    def _clear_pending(self) -> None:
+        self._pending.clear()
+        self._pending_at.clear()
 
     async def wait_synced(self, timeout_s: float) -> bool:
         """Wait until registered, not dirty and every queued event is applied."""
@@ -298,7 +306,7 @@ class EventPublisher:
     async def _resync(self) -> None:
         assert self._worker_id is not None
         with self._lock:  # events after this point are queued again and replayed after
-            self._pending.clear()
+            self._clear_pending()
             self._dirty = False
         self._busy = True
         try:
@@ -327,7 +335,8 @@ class EventPublisher:
             with self._lock:
                 take = batch_length(self._pending)
                 events = tuple(self._pending[:take])
-                del self._pending[:take]
+                published = self._pending_at[0] if take else 0.0
+                del self._pending[:take], self._pending_at[:take]
             if not events:
                 return
             batch = EventBatch(self._worker_id, self.epoch, self._seq + 1, events)
@@ -343,6 +352,8 @@ class EventPublisher:
             if result is ResultCode.OK:
                 self.stats.batches += 1
                 self.stats.events += len(events)
+                if self._on_lag is not None:
+                    self._on_lag(time.monotonic() - published)
             elif result is ResultCode.STALE_EPOCH:
                 raise StaleEpoch(f"apply of {self.replica_id} fenced by a newer epoch")
             else:

@@ -16,6 +16,17 @@ from prefixserve.router.sampling_params import SamplingParams
 
 
 @dataclass
+class Expected:
+    """What the router expected of the worker Serve sent a request to: the cached depth it
+    credited there (blocks), and why that may be off (``failopen``: ranked without the index;
+    ``serve``: Serve sent it past the router's first choice; None: neither). The worker compares
+    it with what it finds (workers/index_truth.py): how true the index is."""
+
+    blocks: int
+    reason: str | None = None
+
+
+@dataclass
 class GenerateRequest:
     request_id: str
     prompt_token_ids: Sequence[int]  # held as a token_array
@@ -24,6 +35,7 @@ class GenerateRequest:
     tenant: str | None = None  # whose fair share of a worker's queue; None: one shared tenant
     lora: str | None = None  # the LoRA adapter's identity (name@digest); None: the base model
     lora_path: str | None = None  # where a worker without the adapter loads it from
+    expected: Expected | None = None  # set by the prefix-aware router as the request leaves
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = token_array(self.prompt_token_ids)

@@ -178,6 +178,12 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
     def _candidates(self, replicas: list[RunningReplica]) -> list[Candidate]:
         return [Candidate(replica_key(r), routing_stats(r), self.queue_len(r)) for r in replicas]
 
+    def on_replica_chosen(self, pending_request: PendingRequest, request: GenerateRequest,
+                          replica: str) -> None:
+        """The depth this router credited there travels with the request: the worker compares
+        it with what it finds (workers/index_truth.py)."""
+        request.expected = self._state.expected(_request_key(pending_request), replica)
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
     ) -> None:

@@ -39,6 +39,7 @@ from prefixserve.router.index import IndexSettings, LookupResult
 from prefixserve.router.index_gate import IndexGate
 from prefixserve.router.policy import Fleet, Ranking, rank
 from prefixserve.router.predictions import LocalPredictions
+from prefixserve.router.request import Expected
 from prefixserve.router.router_settings import RouterSettings
 
 logger = logging.getLogger("ray.serve")
@@ -231,6 +232,18 @@ class RouterState:
             first = routed.worker if routed is not None else worker
             spill = "serve" if ctx.depth.get(first, 0) >= deepest else "cost"
         return Outcome(depth, spill)
+
+    def expected(self, key: int, worker: str) -> Expected | None:
+        """What request ``key`` should find on ``worker``, where Serve is sending it (call
+        before :meth:`sent`); None for a request this router never ranked."""
+        ctx = self.contexts.get(key)
+        if ctx is None:
+            return None
+        first = self.routed.get(key)
+        reason = "failopen" if ctx.failopen else None
+        if reason is None and first is not None and first.worker != worker:
+            reason = "serve"
+        return Expected(ctx.depth.get(worker, 0), reason)
 
     def sent(self, key: int, worker: str, internal_id: str, now: float) -> Prediction | None:
         """Serve sent the request to ``worker`` (maybe not the first choice): record the truth;

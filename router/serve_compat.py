@@ -102,7 +102,13 @@ class ServeRequestRouter(RequestRouter):
         for arg in call_arguments(pending_request):
             if isinstance(arg, GenerateRequest):
                 WATCH.sent(arg.request_id, replica_key(replica))
+                self.on_replica_chosen(pending_request, arg, replica_key(replica))
         return replica
+
+    def on_replica_chosen(self, pending_request: PendingRequest, request: GenerateRequest,
+                          replica: str) -> None:
+        """Serve chose ``replica`` for ``request``, which has not left yet: a router may still
+        write what travels with it."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's new replica set, noted in :data:`WATCH` too."""

@@ -230,7 +230,7 @@ def test_routing_dashboard_queries_only_exported_series() -> None:
     assert names - (exported_series() | router_series()) == set()
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("hit rate per worker", "routing latency", "spill", "fail-open",
-                  "lookup errors"):
+                  "lookup errors", "index truth", "event lag"):
         assert topic in titles
     assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
 

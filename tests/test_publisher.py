@@ -81,9 +81,10 @@ async def test_events_from_the_engine_thread_reach_the_index(
     redis_server: LocalRedis, model: str
 ) -> None:
     holder: list[FakeEngine] = []
+    lags: list[float] = []
     pub = await make(redis_server.url, model, "W1", holder,
                      load=lambda: WorkerLoad(num_running=3, kv_usage=0.5),
-                     heartbeat_interval_s=0.05)
+                     heartbeat_interval_s=0.05, on_lag=lags.append)
     engine = holder[0]
     reader = open_index(redis_server.url, model, deadline_s=1.0)
     pub.start()
@@ -99,6 +100,8 @@ async def test_events_from_the_engine_thread_reach_the_index(
         assert result.matches["W1"].load.num_running == 3
         assert result.matches["W1"].load.timestamp > 0
         assert pub.stats.events == 6 and pub.stats.resyncs == 1
+        # each applied batch's lag, from its oldest event's step to the index having it
+        assert len(lags) == pub.stats.batches >= 1 and all(0 < lag < 5 for lag in lags)
     finally:
         await pub.close()
         await reader.close()

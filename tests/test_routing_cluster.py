@@ -227,6 +227,20 @@ def test_serve_decides_through_the_routing_core(handle) -> None:
     assert seen[0].lookups[0].source in ("local", "index")
 
 
+def test_the_worker_judges_the_depth_the_router_expected(handle) -> None:
+    """The depth the router credited travels with the request; the worker counts it judged,
+    and off by nothing when the prefix it expected is there."""
+    p = prefix(11)
+    worker = run(handle, p + suffix())[-1].worker
+    time.sleep(0.5)  # the worker's KV events reach the index
+    before = stats(handle, worker)["index_truth"]
+    second = run(handle, p + suffix())
+    assert second[-1].worker == worker
+    assert second[0].num_cached_tokens >= PREFIX_BLOCKS * BLOCK
+    after = stats(handle, worker)["index_truth"]
+    assert after["judged"] == before["judged"] + 1 and after["off"] == before["off"]
+
+
 def test_the_prefix_holder_wins_over_the_hash_tie_break(handle, redis_server) -> None:
     p, holder, favoured = seed_against_the_hash(handle, redis_server.url, seed=7)
     time.sleep(1.2)  # predicted entries and this router's own memory have expired

@@ -14,6 +14,7 @@ from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.decision import LookupAttempt, LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate
 from prefixserve.router.index import WorkerInfo
+from prefixserve.router.request import Expected
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.router_state import RouterState
 
@@ -60,6 +61,8 @@ def test_a_load_only_decision_ranks_records_and_is_sent() -> None:
     assert decision.lookups == [LookupAttempt(None, "unset")]
     assert decision.hash_s > 0 and decision.rank_s > 0
     assert c.state.routed[7].worker == "b"  # recorded where it goes
+    # what travels with it: the depth expected there, and that its lookup failed open
+    assert c.state.expected(7, "a") == Expected(0, "failopen")
     # Serve sent it elsewhere: the outcome says so, and no index means no prediction
     outcome, prediction = c.sent(7, "a", "r7", now=1.1)
     assert outcome is not None and outcome.matched_blocks == 0 and outcome.spill is None

@@ -131,7 +131,7 @@ async def test_publishes_blocks_and_deregisters(redis_server: LocalRedis) -> Non
         chain = hash_chain(PROMPT, 16, namespace(w.fingerprint))
         match = (await index.lookup(chain)).matches[w.replica_id]
         assert match.confirmed_depth == 2
-        assert match.worker_id == w.worker_id
+        assert match.worker_id == w._publisher.worker_id
         # the heartbeat carries the engine's load
         deadline = time.monotonic() + 3
         while match.load is None and time.monotonic() < deadline:

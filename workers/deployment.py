@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Any
 
 from ray import serve
@@ -57,6 +58,7 @@ from prefixserve.workers.engine_loop import (
 )
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.index_truth import IndexTruth
 from prefixserve.workers.model_sources import model_source
 from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
 from prefixserve.workers.structured import compile_in_thread
@@ -98,18 +100,16 @@ class LLMWorker:
             index: the index section (``router.index.IndexSettings``): lease, deadlines.
             heartbeat_interval_s: how often load is reported and the lease renewed.
             stream_interval: engine steps per streamed delta after the first token (SGLang's
-                ``--stream-interval``): fewer messages through Serve, the ingress and the
-                client for the same tokens; the first token always goes out at once.
+                ``--stream-interval``); the first token always goes out at once.
             drain_timeout_s: how long a stopping replica lets in-flight streams finish before
                 aborting them: the deployment's ``graceful_shutdown_timeout_s``.
             stall_timeout_s: how long one round of engine work may run before Serve restarts it.
-            keepalive_s: a stream with no output for this long gets a keepalive delta, so the
-                ingress's progress deadline tells a busy worker from a stopped one.
+            keepalive_s: a stream silent this long gets a keepalive delta (the ingress's
+                progress deadline then tells a busy worker from a stopped one).
         """
-        if stream_interval < 1:
-            raise ValueError("stream_interval must be >= 1")
-        if drain_timeout_s < 0 or stall_timeout_s <= 0 or keepalive_s <= 0:
-            raise ValueError("drain_timeout_s must be >= 0, stall_timeout_s and keepalive_s > 0")
+        if stream_interval < 1 or drain_timeout_s < 0 or stall_timeout_s <= 0 or keepalive_s <= 0:
+            raise ValueError("stream_interval must be >= 1, drain_timeout_s >= 0, "
+                             "stall_timeout_s and keepalive_s > 0")
         self.replica_id = replica_id()
         self.model_name = model_name
         self._stream_interval = stream_interval
@@ -135,6 +135,7 @@ class LLMWorker:
         )
         self.block_size = self.engine.block_size
         self.fingerprint = self.engine.model_fingerprint
+        self._truth = IndexTruth(self.fingerprint, self.block_size)  # how true the index is
         self._loop_thread = EngineLoop(self.engine)
         self._loop_thread.start()
         self._metrics = WorkerMetrics(self.replica_id, self.model_name)
@@ -153,7 +154,7 @@ class LLMWorker:
                 heartbeat_interval_s=heartbeat_interval_s,
                 # A dead replica's entries go soon after its lease lapses, not 30 s later.
                 gc_interval_s=min(30.0, max(1.0, index.lease_ttl_s)),
-            )
+                on_lag=self._metrics.index_lag)
             # Registers (retrying while Redis is down), publishes, heartbeats, resyncs.
             self._publisher.start()
         log.info(
@@ -183,7 +184,8 @@ class LLMWorker:
             await asyncio.to_thread(self.engine.prefetch_lora, request.lora, request.lora_path)
         request_id = f"{request.request_id}#{next(self._ids)}"
         stream = OutputStream(asyncio.get_running_loop(), asyncio.Queue(), params.n)
-        timing = self._metrics.request(time.perf_counter(), params.n)
+        timing = self._metrics.request(time.perf_counter(), params.n, None if request.expected
+                                       is None else partial(self._truth.judge, request))
         last: float | None = None
         finished = 0
         self._inflight.add(request_id)
@@ -227,22 +229,22 @@ class LLMWorker:
                 self._drained.set()
 
     async def stats(self, target_worker: str | None = None) -> dict[str, Any]:
-        """Fresh engine stats (taken on the loop thread) plus this worker's identity.
-        ``target_worker`` (a replica id) makes ``PrefixAwareRequestRouter`` send the call to
-        that replica; a replica that receives a call meant for another one refuses it."""
+        """Fresh engine stats (taken on the loop thread), this worker's identity and its judge
+        of the index. A call with ``target_worker`` (a replica id) is refused elsewhere."""
         self._check_target(target_worker)
         stats = await self._on_engine(lambda e: e.stats())
         return {
             **asdict(stats),
             "worker": self.replica_id,
             "pid": os.getpid(),
-            "worker_id": self.worker_id,
+            "worker_id": self._publisher.worker_id if self._publisher else None,  # in the index
             "epoch": self.epoch,
             "block_size": self.block_size,
             "fingerprint": self.fingerprint,
             "model": self.model_name,
             "publisher": asdict(self._publisher.stats) if self._publisher else None,
             "index_synced": bool(self._publisher and not self._publisher.dirty),
+            "index_truth": {"judged": self._truth.judged, "off": dict(self._truth.off)},
             "rss_bytes": rss_bytes(),
             "max_model_len": self.engine.max_model_len,
         }
@@ -281,16 +283,15 @@ class LLMWorker:
         """Serve's periodic hook: what routers may use when the index has nothing, and the
         LoRA adapters in the batch's slots (router.adapter_slots)."""
         stats, at = self._loop_thread.snapshot
-        lora = stats.lora
-        slots = SlotReport(lora.resident, lora.max_loras, lora.load_s, at)
+        lora, slots = stats.lora, SlotReport(stats.lora.resident, stats.lora.max_loras,
+                                             stats.lora.load_s, at)
         return {"worker": self.replica_id, "block_size": self.block_size,
                 "fingerprint": self.fingerprint, "load": asdict(stats.load(at)),
                 **(slots.stats() if lora.registered or lora.resident else {})}
 
     async def check_health(self) -> None:
         """Healthy while the engine loop runs and comes round: a step stuck for
-        ``stall_timeout_s`` fails it, so Serve replaces a replica that holds its requests
-        forever. Never depends on Redis."""
+        ``stall_timeout_s`` fails it, so Serve replaces the replica. Never touches Redis."""
         self._require_loop()
         stalled = self._loop_thread.stalled_s()
         if stalled > self._stall_timeout_s:
@@ -301,17 +302,13 @@ class LLMWorker:
 
     def _on_kv_events(self, events: list[KVEvent]) -> None:
         """Engine thread, once per step with events: hand them to the publisher (non-blocking)."""
+        self._truth.on_events(events)
         if self._publisher is not None:
             self._publisher.publish(events)
 
     async def _snapshot(self) -> list[bytes]:
         """Every cached hash, taken on the engine thread (the publisher resyncs from it)."""
         return await self._on_engine(lambda e: e.cached_block_hashes())
-
-    @property
-    def worker_id(self) -> int | None:
-        """Small-integer id in the index (None until registered; may change after an outage)."""
-        return self._publisher.worker_id if self._publisher is not None else None
 
     async def _metrics_loop(self, interval_s: float = 1.0) -> None:
         while not self._closed:

@@ -50,6 +50,13 @@ COUNTERS = {
     "prefixserve_lora_reads": "LoRA adapters read from their files into host memory.",
     "prefixserve_lora_evictions": "LoRA adapters evicted from a batch slot for another.",
 }
+# How true the prefix index is (workers/index_truth.py): per request the router sent with its
+# expectation, the blocks found less those expected, and the requests off by more than a block.
+INDEX_ERROR = "prefixserve_index_error_blocks"
+INDEX_OFF = "prefixserve_index_mispredicted"
+INDEX_LAG = "prefixserve_index_event_lag_seconds"
+_ERROR_BUCKETS = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 512.5, 2048.5]
+_LAG_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 GAUGES = {
     "vllm_num_requests_running": "Sequences in the running batch.",
     "vllm_num_requests_waiting": "Sequences waiting to be scheduled.",
@@ -95,8 +102,10 @@ _CUMULATIVE: dict[str, Callable[[EngineStats], int]] = {
 
 def exported_series() -> set[str]:
     """The series names Ray's Prometheus exporter shows for these metrics."""
-    return ({f"ray_{n}_total" for n in COUNTERS} | {f"ray_{n}" for n in (*GAUGES, LORA_INFO)}
-            | {f"ray_{n}_{s}" for n in HISTOGRAMS for s in ("bucket", "sum", "count")})
+    return ({f"ray_{n}_total" for n in (*COUNTERS, INDEX_OFF)}
+            | {f"ray_{n}" for n in (*GAUGES, LORA_INFO)}
+            | {f"ray_{n}_{s}" for n in (*HISTOGRAMS, INDEX_ERROR, INDEX_LAG)
+               for s in ("bucket", "sum", "count")})
 
 
 class WorkerMetrics:
@@ -123,6 +132,21 @@ class WorkerMetrics:
             LORA_INFO, description="Running and waiting LoRA adapters (labels); the value is "
             "when they were last updated.", tag_keys=(*TAG_KEYS, *LORA_TAG_KEYS),
         ).set_default_tags(tags)
+        self.index_error = metrics.Histogram(
+            INDEX_ERROR, description="Per request the router sent with the prefix depth it "
+            "expected: how many blocks the worker found more or less than that (direction).",
+            boundaries=_ERROR_BUCKETS, tag_keys=(*TAG_KEYS, "direction"),
+        ).set_default_tags(tags)
+        self.index_off = metrics.Counter(
+            INDEX_OFF, description="Requests whose expected prefix depth was off by more than "
+            "one block, by cause: failopen, serve, evicted, never_stored, not_indexed.",
+            tag_keys=(*TAG_KEYS, "cause"),
+        ).set_default_tags(tags)
+        self.index_lag = metrics.Histogram(
+            INDEX_LAG, description="KV events from the engine step that made them to the index "
+            "applying them (where a lookup sees them), per applied batch's oldest event.",
+            boundaries=_LAG_BUCKETS, tag_keys=TAG_KEYS,
+        ).set_default_tags(tags).observe
         # The engine's counts are cumulative; Prometheus counters take increments.
         self._seen = dict.fromkeys(_CUMULATIVE, 0)
 
@@ -142,9 +166,17 @@ class WorkerMetrics:
                 "waiting_lora_adapters": ",".join(s.waiting_loras),
                 "max_lora": str(s.lora.max_loras)})
 
-    def request(self, arrival: float, n: int) -> RequestMetrics:
-        """Per-request timing for one ``generate`` call of ``n`` samples."""
-        return RequestMetrics(self, arrival, n)
+    def request(self, arrival: float, n: int,
+                judge: Callable[[int], tuple[int, str | None]] | None = None) -> RequestMetrics:
+        """Per-request timing for one ``generate`` call of ``n`` samples; ``judge`` compares
+        the cached tokens found with the router's expectation (workers/index_truth.py)."""
+        return RequestMetrics(self, arrival, n, judge)
+
+    def judged(self, diff: int, cause: str | None) -> None:
+        direction = "none" if diff == 0 else ("less" if diff < 0 else "more")
+        self.index_error.observe(abs(diff), tags={"direction": direction})
+        if cause is not None:
+            self.index_off.inc(tags={"cause": cause})
 
     def observe(self, name: str, value: float) -> None:
         self.histograms[name].observe(value)
@@ -157,6 +189,7 @@ class RequestMetrics:
     metrics: WorkerMetrics
     arrival: float
     n: int  # samples
+    judge: Callable[[int], tuple[int, str | None]] | None = None
     first_token: float | None = None
     last_delta: float | None = None
     first_by_sample: dict[int, float] = field(default_factory=dict)
@@ -176,6 +209,8 @@ class RequestMetrics:
                 m.counters["vllm_prompt_tokens"].inc(prompt)
                 m.observe("vllm_request_prompt_tokens", prompt)
                 m.observe("vllm_time_to_first_token_seconds", now - self.arrival)
+                if self.judge is not None:
+                    m.judged(*self.judge(outs[0].num_cached_tokens))
                 if scheduled_at is not None:
                     m.observe("vllm_request_queue_time_seconds", scheduled_at - self.arrival)
                     m.observe("vllm_request_prefill_time_seconds", now - scheduled_at)
