@@ -37,16 +37,30 @@ def test_a_malformed_report_is_no_report(raw: object) -> None:
 
 def test_resident_adds_this_routers_sends_since_the_report_most_recent_last() -> None:
     slots = AdapterSlots()
-    slots.note("w", "old", now=9.0)  # before the report: the report already tells
-    slots.note("w", "c", now=11.0)
-    slots.note("w", "a", now=12.0)
-    got = slots.resident("w", SlotReport.of(report("a", "b", max_loras=3)), now=13.0)
+    t = 1000.0  # the report's time
+    slots.note("w", "old", now=t - 1)  # before the report: the report already tells
+    slots.note("w", "then", now=t)  # as it was taken: likewise
+    slots.note("w", "c", now=t + 1)
+    slots.note("w", "a", now=t + 2)
+    got = slots.resident("w", SlotReport.of(report("a", "b", max_loras=3, at=t)), now=t + 3)
     assert got == ["b", "c", "a"]
-    got = slots.resident("w", SlotReport.of(report("a", "b", max_loras=2)), now=13.0)
+    got = slots.resident("w", SlotReport.of(report("a", "b", max_loras=2, at=t)), now=t + 3)
     assert got == ["c", "a"]  # b was the least recently used: evicted
-    assert slots.resident("w", None, now=13.0) == ["a"]  # never reported: one slot
-    assert slots.resident("w", None, now=50.0) == []  # sends are forgotten after 30 s
-    assert slots.resident("other", None, now=13.0) == []
+    assert slots.resident("w", None, now=t + 3) == ["a"]  # never reported: one slot
+    assert slots.resident("w", None, now=t + 31) == ["a"]  # 29 s on: a send still counts
+    assert slots.resident("w", None, now=t + 32) == ["a"]  # 30 s: still
+    assert slots.resident("w", None, now=t + 33) == []  # past 30 s: forgotten
+    assert slots.resident("other", None, now=t + 3) == []
+    assert SlotReport.of(report("a", max_loras=1)).max_loras == 1
+
+
+def test_old_sends_are_dropped_and_recent_ones_kept() -> None:
+    slots = AdapterSlots()
+    t = 1000.0
+    slots.note("w", "stale", now=t)
+    slots.note("w", "edge", now=t + 10)
+    slots.note("w", "fresh", now=t + 40)  # the first send is 40 s old: the list is compacted
+    assert [a for _, a in slots.sent["w"]] == ["edge", "fresh"]  # 30 s old: kept
 
 
 def test_sends_are_bounded_per_worker() -> None:

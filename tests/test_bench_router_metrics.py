@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from prefixserve.bench.load.report import format_side_by_side
-from prefixserve.bench.load.router_metrics import Histogram, parse, summarize
+from prefixserve.bench.load.router_metrics import Histogram, index_truth, parse, summarize
 from prefixserve.bench.load.runner import run_sweep
 
 TAGS = 'Component="core_worker",application="a",deployment="LLMWorker"'
@@ -93,3 +93,37 @@ def test_run_sweep_merges_measured_figures(monkeypatch: pytest.MonkeyPatch) -> N
     assert calls == [c.format(1) for c in once] + [c.format(2) for c in once]
     assert all(p.summary == {"completed": 1, "router_latency_samples": 3, "own_cpu_cores": 1.5}
                for p in points)
+
+
+def truth_exposition(judged: int, off: dict[str, int], lag: dict[str, int]) -> str:
+    """The workers' index-truth series as Ray exports them (two workers' tag sets)."""
+    lines = []
+    for worker, share in (("w1", 1), ("w2", 0)):
+        tags = f'Component="core_worker",worker="{worker}"'
+        lines.append(f'ray_prefixserve_index_error_blocks_bucket{{{tags},direction="none",'
+                     f'le="+Inf"}} {judged * share}.0')
+        lines.append(f"ray_prefixserve_index_error_blocks_count{{{tags}}} {judged * share}.0")
+        for cause, n in off.items():
+            lines.append(f'ray_prefixserve_index_mispredicted_total{{{tags},cause="{cause}"}} '
+                         f"{n * share}.0")
+        for le, n in lag.items():
+            lines.append(f'ray_prefixserve_index_event_lag_seconds_bucket{{{tags},le="{le}"}} '
+                         f"{n * share}.0")
+        lines.append(f"ray_prefixserve_index_event_lag_seconds_count{{{tags}}} "
+                     f"{lag['+Inf'] * share}.0")
+    return "\n".join(lines) + "\n"
+
+
+def test_index_truth_is_the_difference_of_two_scrapes_per_cause() -> None:
+    before = truth_exposition(10, {"evicted": 1}, {"0.01": 10, "+Inf": 10})
+    after = truth_exposition(210, {"evicted": 3, "never_stored": 1},
+                             {"0.01": 110, "0.1": 210, "+Inf": 210})
+    figures = index_truth(before, after)
+    assert figures["index_judged"] == 200 and figures["index_off_share"] == 3 / 200
+    assert (figures["index_off_evicted"], figures["index_off_never_stored"],
+            figures["index_off_serve"]) == (2, 1, 0)
+    assert figures["median_index_lag_ms"] == pytest.approx(10.0)
+    assert 90.0 < figures["p99_index_lag_ms"] <= 100.0
+    assert index_truth(after, after) == {}  # nothing judged, no lag observed
+    table = format_side_by_side({"prefix": figures})
+    assert "Index off by > 1 block (share)" in table and "0.0150" in table

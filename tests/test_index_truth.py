@@ -32,14 +32,23 @@ def request(blocks: int, reason: str | None = None, salt: str | None = None,
     (6, 7 * BS + 5, 1, None),
     (6, 2 * BS, -4, "never_stored"),
     (2, 9 * BS, 7, "not_indexed"),  # the index had not seen them yet
+    (6, 4 * BS, -2, "never_stored"),  # two blocks off: counted
     (40, 10 * BS, 0, None),  # capped at the blocks before the last token
 ])
 def test_the_difference_and_its_cause(expected: int, found: int, diff: int,
                                       cause: str | None) -> None:
     truth = IndexTruth("fp", BS)
     assert truth.judge(request(expected), found) == (diff, cause)
-    assert truth.judged == 1
-    assert sum(truth.off.values()) == (cause is not None)
+    assert truth.judge(request(expected), found) == (diff, cause)
+    assert truth.judged == 2
+    assert sum(truth.off.values()) == 2 * (cause is not None)
+
+
+@pytest.mark.parametrize(("length", "cap"), [(10 * BS, 9), (10 * BS + 1, 10), (10 * BS + 2, 10)])
+def test_the_expectation_stops_before_the_block_of_the_last_token(length: int, cap: int) -> None:
+    req = GenerateRequest("r", list(range(length)))
+    req.expected = Expected(40)
+    assert IndexTruth("fp", BS).judge(req, cap * BS) == (0, None)
 
 
 def test_a_block_removed_here_is_evicted_in_the_namespace_of_its_salt_and_adapter() -> None:
@@ -57,12 +66,15 @@ def test_the_routers_reason_comes_first_and_a_cleared_cache_evicted_everything()
     truth = IndexTruth("fp", BS, window=4)
     assert truth.judge(request(8, "failopen"), 0) == (-8, "failopen")
     assert truth.judge(request(0, "serve"), 8 * BS) == (8, "serve")
+    digests = [bytes([i]) * 16 for i in range(6)]
+    truth.on_events([BlockRemoved(tuple(digests[:3]))])
     truth.on_events([AllBlocksCleared()])
     assert truth.judge(request(8), 0) == (-8, "evicted")
-    truth.on_events([BlockRemoved(tuple(bytes([i]) * 16 for i in range(4)))])
-    assert len(truth._removed) == 4
-    truth.on_events([BlockRemoved((b"\xff" * 16,))])  # a window's removals later
-    assert len(truth._removed) == 4
+    truth.on_events([BlockRemoved(tuple(digests[3:6]))])  # 3 removals since the clear
+    assert truth.judge(request(8), 0) == (-8, "evicted")
+    assert list(truth._removed) == digests[2:6]  # the window keeps the newest 4
+    truth.on_events([BlockRemoved((b"\xff" * 16,))])  # a window's removals since the clear
+    assert list(truth._removed) == [*digests[3:6], b"\xff" * 16]
     assert truth.judge(request(8), 0) == (-8, "never_stored")
 
 

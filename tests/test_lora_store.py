@@ -27,29 +27,35 @@ class Folders:
 
 
 def store(max_loras: int, max_cpu_loras: int, in_use: set[str] | None = None,
-          ) -> tuple[LoRAStore, Folders]:
+          ticks: list[float] | None = None) -> tuple[LoRAStore, Folders]:
     folders = Folders()
     for k in range(5):
         folders.digests[f"/a{k}"] = f"d{k}"
     used = in_use if in_use is not None else set()
+    clock = iter(ticks or [0.0] * 100).__next__  # a slot load reads it at start and end
     return LoRAStore(folders.read, lambda: used, torch.device("cpu"), max_loras,
-                     max_cpu_loras), folders
+                     max_cpu_loras, clock), folders
 
 
 def test_slots_evict_the_least_recently_used_one_no_running_sequence_uses() -> None:
-    s, _ = store(max_loras=2, max_cpu_loras=5)
-    refs = [s.register(f"a{k}", f"/a{k}") for k in range(3)]
+    s, _ = store(max_loras=2, max_cpu_loras=5, ticks=[0, 2, 2, 3, 3, 3, 3, 4])
+    assert s.stats().load_s == 0.0  # nothing loaded yet
+    refs = [s.register(f"a{k}", f"/a{k}") for k in range(4)]
     ids = [r.identity for r in refs]
-    assert ids == ["a0@d0", "a1@d1", "a2@d2"]
-    s.activate([ids[0]], running=[ids[0]])
+    assert ids == ["a0@d0", "a1@d1", "a2@d2", "a3@d3"]
+    got = s.activate([ids[0]], running=[ids[0]])
+    assert got == {ids[0]: s.slots[ids[0]]} and got[ids[0]].identity == ids[0]
+    assert s.load_s == 2.0  # the first load's seconds
     s.activate([ids[1]], running=[ids[0], ids[1]])
+    assert s.load_s == pytest.approx(0.2 * 1 + 0.8 * 2.0)  # then smoothed
     s.activate([ids[0]], running=[ids[0], ids[1]])  # a0 now the most recently used
     assert list(s.slots) == [ids[1], ids[0]]
     s.activate([ids[2]], running=[ids[2], ids[1]])  # a1 runs: a0 goes though used later
     assert list(s.slots) == [ids[1], ids[2]]
+    s.activate([ids[3]], running=[ids[3], ids[2]])
     st = s.stats()
-    assert (st.loads, st.evictions, st.resident, st.max_loras) == (3, 1, tuple(s.slots), 2)
-    assert st.load_s >= 0.0 and st.registered == 3 and st.reads == 3
+    assert (st.loads, st.evictions, st.resident, st.max_loras) == (4, 2, (ids[2], ids[3]), 2)
+    assert st.load_s == s.load_s and st.registered == 4 and st.reads == 4
 
 
 def test_host_copies_past_the_bound_go_unless_a_request_uses_them() -> None:
@@ -69,6 +75,10 @@ def test_host_copies_past_the_bound_go_unless_a_request_uses_them() -> None:
     in_use.clear()
     s.remove("a2")
     assert "a2@d2" not in s.host
+    s.host.clear()
+    s.remove("a1")  # its host copy went already
+    s.remove("nobody")
+    assert set(s.known) == set()
 
 
 def test_a_folder_whose_weights_changed_is_refused_and_nothing_is_registered() -> None:
@@ -80,6 +90,9 @@ def test_a_folder_whose_weights_changed_is_refused_and_nothing_is_registered() -
         s.hold(ref)
     with pytest.raises(AdapterError, match="missing"):
         s.register("x", "/nowhere")
+    folders.digests["/a1"] = "d1"
+    with pytest.raises(AdapterError, match="now a1@d1, not a1@d9"):
+        s.register("a1", "/a1", "a1@d9")  # not the weights the ingress named
     assert set(s.known) == {"a0"} and s.known["a0"] == AdapterRef("a0", "a0@d0", "/a0")
-    with pytest.raises(ValueError, match="max_cpu_loras"):
+    with pytest.raises(ValueError, match=r"^max_cpu_loras must be >= max_loras$"):
         store(max_loras=3, max_cpu_loras=2)

@@ -189,3 +189,10 @@ def test_a_preempted_sequence_whose_adapter_has_no_slot_lets_others_pass() -> No
     sched.waiting.extend([waiting, base])
     assert list(run_step(sched)) == ["r", "base"]
     assert list(sched.waiting) == [waiting]
+
+
+def test_without_max_loras_one_adapter_runs_at_a_time() -> None:
+    sched = Scheduler(KVCacheManager(256, BS), max_num_seqs=8, max_num_batched_tokens=100)
+    for s in (adapter_seq("x", "x", 0), adapter_seq("y", "y", 10)):
+        sched.add(s)
+    assert list(run_step(sched)) == ["x"]

@@ -77,7 +77,7 @@ class IndexTruth:
             cause = "not_indexed"
         else:
             cause = "evicted" if self._was_removed(request, got) else "never_stored"
-        self.off[cause] = self.off.get(cause, 0) + 1
+        self.off[cause] += 1
         return diff, cause
 
     def _was_removed(self, request: GenerateRequest, block: int) -> bool:

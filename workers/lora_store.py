@@ -47,11 +47,13 @@ class LoRAStore:
     queued and running request (asked on the engine loop, when host memory is over its bound)."""
 
     def __init__(self, read: Callable[[str, str], LoRAAdapter], in_use: Callable[[], set[str]],
-                 device: torch.device, max_loras: int, max_cpu_loras: int) -> None:
+                 device: torch.device, max_loras: int, max_cpu_loras: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         if max_cpu_loras < max_loras:
             raise ValueError("max_cpu_loras must be >= max_loras")
         self._read = read
         self._in_use = in_use
+        self._clock = clock  # times slot loads
         self.device = device
         self.max_loras = max_loras
         self.max_cpu_loras = max_cpu_loras
@@ -122,7 +124,7 @@ class LoRAStore:
         return out
 
     def _load(self, identity: str, keep: set[str]) -> LoRAAdapter:
-        start = time.perf_counter()
+        start = self._clock()
         if len(self.slots) >= self.max_loras:
             victim = next(i for i in self.slots if i not in keep)  # the scheduler left one
             del self.slots[victim]
@@ -133,7 +135,7 @@ class LoRAStore:
         adapter = host.to(self.device)
         self.slots[identity] = adapter
         self.loads += 1
-        elapsed = time.perf_counter() - start
+        elapsed = self._clock() - start
         self.load_s = elapsed if self.loads == 1 else (
             _LOAD_S_WEIGHT * elapsed + (1 - _LOAD_S_WEIGHT) * self.load_s)
         return adapter

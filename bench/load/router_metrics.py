@@ -10,6 +10,10 @@ one after it, and its percentiles are interpolated inside buckets as Prometheus'
 `histogram_quantile` does: only as fine as the router's bucket bounds. Serve's default
 power-of-two router does not observe this histogram, so pow2 runs get no routing figures.
 The figures are reported in milliseconds.
+
+The same scrapes give how true the index was (workers/index_truth.py, exported by the workers):
+the requests judged, the share off by more than one block and the count per cause, and the KV
+event lag to the index (p50, p99).
 """
 
 from __future__ import annotations
@@ -23,6 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 METRIC = "ray_prefixserve_router_latency_seconds"
+INDEX_ERROR = "ray_prefixserve_index_error_blocks"
+INDEX_OFF = "ray_prefixserve_index_mispredicted_total"
+INDEX_LAG = "ray_prefixserve_index_event_lag_seconds"
+CAUSES = ("failopen", "serve", "evicted", "never_stored", "not_indexed")
+_CAUSE = re.compile(r'cause="([^"]+)"')
 REPORT_INTERVAL_MS = 2000      # Ray's metrics_report_interval_ms while measuring (default 10 s)
 _LE = re.compile(r'le="([^"]+)"')
 
@@ -73,9 +82,37 @@ def parse(text: str, name: str = METRIC) -> Histogram:
     return hist
 
 
-def scrape(port: int, timeout_s: float = 5.0) -> Histogram:
+def causes(text: str) -> dict[str, float]:
+    """The mispredicted-request counter per cause, summed over the workers."""
+    out = dict.fromkeys(CAUSES, 0.0)
+    for line in text.splitlines():
+        if line.startswith(INDEX_OFF) and (match := _CAUSE.search(line)):
+            out[match.group(1)] = out.get(match.group(1), 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
+def scrape(port: int, timeout_s: float = 5.0) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
-        return parse(resp.read().decode())
+        return resp.read().decode()
+
+
+def index_truth(before: str, after: str) -> dict[str, Any]:
+    """How true the index was between two scrapes; {} when no request was judged (a router
+    that sends no expectation, or no index)."""
+    judged = parse(after, INDEX_ERROR).minus(parse(before, INDEX_ERROR)).count
+    lag = parse(after, INDEX_LAG).minus(parse(before, INDEX_LAG))
+    out: dict[str, Any] = {}
+    if lag.count > 0:
+        for key, q in (("median_index_lag_ms", 0.5), ("p99_index_lag_ms", 0.99)):
+            value = lag.quantile(q)
+            out[key] = None if value is None else 1000 * value
+    if judged <= 0:
+        return out
+    was, now = causes(before), causes(after)
+    off = {c: int(now[c] - was.get(c, 0.0)) for c in now}
+    out.update({"index_judged": int(judged), "index_off_share": sum(off.values()) / judged},
+               **{f"index_off_{c}": n for c, n in off.items()})
+    return out
 
 
 def summarize(before: Histogram, after: Histogram) -> dict[str, Any]:
@@ -103,7 +140,8 @@ def measurer(port: int) -> Callable[[], Awaitable[Callable[[], Awaitable[dict[st
 
         async def finish() -> dict[str, Any]:
             await asyncio.sleep(settle_s)
-            return summarize(before, await asyncio.to_thread(scrape, port))
+            after = await asyncio.to_thread(scrape, port)
+            return {**summarize(parse(before), parse(after)), **index_truth(before, after)}
 
         return finish
 
