@@ -142,6 +142,8 @@ def connect(url: str, socket_timeout_s: float, connect_timeout_s: float) -> Redi
     query = parse_qsl(parts.query, keep_blank_values=True)
     cluster = any(k == "cluster" and v.lower() in ("1", "true", "yes") for k, v in query)
     url = urlunsplit(parts._replace(query=urlencode([(k, v) for k, v in query if k != "cluster"])))
+    if not parts.netloc:  # `unix:///x` comes back as `unix:/x`, which redis-py >= 8.2 refuses
+        url = f"{parts.scheme}://{url.removeprefix(parts.scheme + ':')}"
     options: dict[str, Any] = {
         "socket_connect_timeout": connect_timeout_s,
         # No retries inside redis-py: RedisPrefixIndex._eval retries a dead connection itself,

@@ -4,6 +4,7 @@ against the Redis index fed the same events."""
 from __future__ import annotations
 
 import random
+import uuid
 
 import pytest
 from fleetkit import Fleet, digests, reference
@@ -16,21 +17,40 @@ from prefixserve.router.local_index import LocalIndex, PredictedBlocks
 from prefixserve.router.redis_index import RedisPrefixIndex
 
 
+@pytest.fixture(params=["delta", "always-merged"])
+def make(request: pytest.FixtureRequest):
+    """A LocalIndex holding its changes in the delta, or merging them at once (packed)."""
+    def new() -> LocalIndex:
+        index = LocalIndex()
+        if request.param == "always-merged":
+            index.MERGE_MIN, index.MERGE_SHARE = 0, 0.0
+        return index
+    return new
+
+
+@pytest.mark.parametrize("merge_min", [LocalIndex.MERGE_MIN, 8, 0], ids=["delta", "merging",
+                                                                          "always-merged"])
 @pytest.mark.parametrize("seed", range(6))
-def test_depths_equal_a_block_by_block_walk(seed: int) -> None:
+def test_depths_equal_a_block_by_block_walk(seed: int, merge_min: int) -> None:
+    """Whether the changes sit in the delta, are merged into the packed base now and then, or
+    after every store."""
     rng = random.Random(seed)
     fleet, index = Fleet(rng, workers=9, chains=4, length=300), LocalIndex()
+    index.MERGE_MIN, index.MERGE_SHARE = merge_min, 0.0 if merge_min == 0 else 0.05
     for _ in range(1500):
         worker, events = fleet.step()
         index.apply(worker, events)
         query = fleet.query()
         assert index.depths(Chain.of(query)) == reference(fleet.held, query)
+    assert len(index) == sum(len(held) for held in fleet.held.values())
+    if merge_min == 0:
+        assert index.nbytes == 10 * len(index)  # every entry packed: 8 + 2 bytes
 
 
-def test_a_cleared_worker_keeps_nothing_and_the_others_keep_theirs() -> None:
+def test_a_cleared_worker_keeps_nothing_and_the_others_keep_theirs(make) -> None:
     rng = random.Random(1)
     chain = digests(rng, 40)
-    index = LocalIndex()
+    index = make()
     index.apply(7, [BlockStored(tuple(chain))])
     index.apply(9, [BlockStored(tuple(chain[:25]))])
     assert index.depths(Chain.of(chain)) == {7: 40, 9: 25}
@@ -42,10 +62,10 @@ def test_a_cleared_worker_keeps_nothing_and_the_others_keep_theirs() -> None:
     assert index.depths(Chain()) == {}
 
 
-def test_a_dropped_worker_s_slot_serves_the_next_without_its_blocks() -> None:
+def test_a_dropped_worker_s_slot_serves_the_next_without_its_blocks(make) -> None:
     rng = random.Random(2)
     a, b = digests(rng, 30), digests(rng, 30)
-    index = LocalIndex()
+    index = make()
     index.apply(1, [BlockStored(tuple(a))])
     index.apply(2, [BlockStored(tuple(a[:12]))])
     index.drop(1)
@@ -61,10 +81,10 @@ def test_a_dropped_worker_s_slot_serves_the_next_without_its_blocks() -> None:
     assert index.depths(Chain.of(a)) == {} and index.depths(Chain.of(b)) == {3: 5}
 
 
-def test_replace_states_a_worker_s_whole_set() -> None:
+def test_replace_states_a_worker_s_whole_set(make) -> None:
     rng = random.Random(3)
     a, b = digests(rng, 20), digests(rng, 20)
-    index = LocalIndex()
+    index = make()
     index.apply(4, [BlockStored(tuple(a))])
     index.apply(5, [BlockStored(tuple(a[:3]))])
     index.replace(4, b[:8])
@@ -72,10 +92,10 @@ def test_replace_states_a_worker_s_whole_set() -> None:
     assert index.depths(Chain.of(b)) == {4: 8}
 
 
-def test_blocks_are_known_by_their_first_eight_bytes_as_in_the_index() -> None:
+def test_blocks_are_known_by_their_first_eight_bytes_as_in_the_index(make) -> None:
     rng = random.Random(4)
     chain = digests(rng, 6)
-    index = LocalIndex()
+    index = make()
     index.replace(1, [h[:8] for h in chain[:4]])  # a resync states keys, not digests
     index.apply(2, [BlockStored(tuple(chain[:2]))])
     assert index.depths(Chain.of(chain)) == {1: 4, 2: 2}
@@ -121,10 +141,11 @@ def test_a_prediction_queued_behind_a_later_expiry_still_expires_on_time() -> No
 
 
 @pytest.mark.cluster
-async def test_depths_equal_the_redis_index_fed_the_same_events(redis_server: LocalRedis) -> None:
+async def test_depths_equal_the_redis_index_fed_the_same_events(redis_server: LocalRedis,
+                                                                make) -> None:
     rng = random.Random(11)
-    fleet, local = Fleet(rng, workers=6, chains=3, length=200), LocalIndex()
-    redis_index = RedisPrefixIndex(redis_server.url, f"local-{rng.getrandbits(32):08x}",
+    fleet, local = Fleet(rng, workers=6, chains=3, length=200), make()
+    redis_index = RedisPrefixIndex(redis_server.url, f"local-{uuid.uuid4().hex[:8]}",
                                    deadline_s=2.0, settings=IndexSettings(lease_ttl_s=600))
     try:
         ids = {w: await redis_index.register(f"W{w}", epoch=1, block_size=16, fingerprint="fp")
@@ -145,3 +166,44 @@ async def test_depths_equal_the_redis_index_fed_the_same_events(redis_server: Lo
                 assert local.depths(Chain.of(query)) == want
     finally:
         await redis_index.close()
+
+
+def test_a_block_held_by_many_workers_and_keys_near_each_other(make) -> None:
+    """Forty workers hold one chain to forty depths (a holder run past the small-run path), and
+    two blocks whose keys differ in their lowest bits only stay two blocks once packed."""
+    rng = random.Random(6)
+    chain = digests(rng, 40)
+    index = make()
+    for worker in range(1, 41):
+        index.apply(worker, [BlockStored(tuple(chain[:worker]))])
+    assert index.depths(Chain.of(chain)) == {w: w for w in range(1, 41)}
+    index.apply(40, [BlockRemoved(tuple(chain[20:]))])
+    assert index.depths(Chain.of(chain))[40] == 20
+    assert len(index) == sum(range(1, 41)) - 20
+    near = [bytes([i]) + chain[0][1:] for i in range(3)]  # keys 0, 1, 2 apart
+    index.apply(50, [BlockStored((near[0],))])
+    index.apply(51, [BlockStored((near[1],))])
+    assert index.depths(Chain.of(near[:1])) == {50: 1}
+    assert index.depths(Chain.of(near[1:2])) == {51: 1}
+    assert index.depths(Chain.of(near[2:])) == {}
+
+
+def test_entries_count_what_the_base_and_the_delta_hold_together() -> None:
+    rng = random.Random(7)
+    chain = digests(rng, 30)
+    index = LocalIndex()
+    index.apply(1, [BlockStored(tuple(chain))])
+    index.apply(2, [BlockStored(tuple(chain[:10]))])
+    index._merge()
+    assert (len(index), index.nbytes) == (40, 400)
+    index.apply(1, [BlockRemoved(tuple(chain[25:]))])  # tombstones over the base
+    index.apply(3, [BlockStored(tuple(chain[:4]))])  # new entries beside it
+    assert len(index) == 40 - 5 + 4
+    assert index.depths(Chain.of(chain)) == {1: 25, 2: 10, 3: 4}
+    index.apply(1, [BlockStored(tuple(chain[25:27]))])  # stored again: the tombstones lift
+    assert len(index) == 40 - 3 + 4 and index.depths(Chain.of(chain))[1] == 27
+    index.drop(2)  # its base entries go without a merge
+    assert len(index) == 40 - 3 + 4 - 10 and index.nbytes == 300
+    index._merge()
+    assert (len(index), index.nbytes) == (31, 310)
+    assert index.depths(Chain.of(chain)) == {1: 27, 3: 4}
