@@ -23,6 +23,11 @@ WEIGHTS_FILE = "adapter_model.safetensors"  # PEFT's
 CONFIG_FILE = "adapter_config.json"
 
 
+def adapter_name(identity: str) -> str:
+    """The name in an adapter's identity (`name@digest`)."""
+    return identity.rsplit("@", 1)[0]
+
+
 def adapter_digest(weights: bytes) -> str:
     """What tells two versions of an adapter apart: the first 16 hex characters of SHA-256
     over its weights file."""

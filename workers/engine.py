@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from prefixserve.router.adapters import adapter_name
 from prefixserve.router.events import KVEvent
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import checkpoint_fingerprint
@@ -107,7 +108,6 @@ class LLMEngine(EngineCore):
             seq.extra["matcher"] = new_matcher(req.grammar)
         if req.lora is not None:
             self.lora_store.hold(req.lora)
-            seq.extra["lora"] = req.lora
 
     # ----------------------------------------------------------------- LoRA adapters
 
@@ -130,7 +130,7 @@ class LLMEngine(EngineCore):
         try:
             return self.add_lora(name, path).identity
         except AdapterError as exc:
-            raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "lora_path") from None
+            raise _refused(name, exc, "lora_path") from None
 
     def lora_for(self, identity: str, path: str | None = None) -> AdapterRef:
         """The adapter a request names by identity (`name@digest`, as the ingress computed it
@@ -138,13 +138,13 @@ class LLMEngine(EngineCore):
         loaded at run time reaches each worker with its first request there; the worker reads
         it before it queues: `LoRAStore.prefetch`); InvalidRequestError if unknown or if its
         weights differ here."""
-        name = identity.rsplit("@", 1)[0]
+        name = adapter_name(identity)
         known = self.lora_store.known.get(name)
         if (known is None or known.identity != identity) and path is not None:
             try:
                 return self.lora_store.register(name, path, identity)
             except AdapterError as exc:
-                raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "model") from None
+                raise _refused(name, exc, "model") from None
         ref = self.lora(name)
         assert ref is not None
         if ref.identity != identity:
@@ -157,7 +157,7 @@ class LLMEngine(EngineCore):
         """Read the adapter a request names into host memory unless held, so that `lora_for`
         on the engine loop finds it there. Safe on any thread (the store's host copies are
         locked); an adapter this engine cannot find is left to `lora_for` to refuse."""
-        name = identity.rsplit("@", 1)[0]
+        name = adapter_name(identity)
         known = self.lora_store.known.get(name)
         path = path or (known.path if known is not None else None)
         if path is None:
@@ -165,7 +165,7 @@ class LLMEngine(EngineCore):
         try:
             self.lora_store.prefetch(name, path, identity)
         except AdapterError as exc:
-            raise InvalidRequestError(f"LoRA adapter {name!r}: {exc}", "model") from None
+            raise _refused(name, exc, "model") from None
 
     def lora(self, name: str | None) -> AdapterRef | None:
         """The adapter called `name` (None: the base model); InvalidRequestError if unknown."""
@@ -183,11 +183,11 @@ class LLMEngine(EngineCore):
         s = self.scheduler
         return {q.adapter for q in (*s.running, *s.waiting) if q.adapter is not None}
 
-    def _step_adapters(self, sched: SchedulerOutput) -> list[LoRAAdapter | None]:
-        """Each scheduled sequence's adapter, in a batch slot."""
+    def _step_adapters(self, sched: SchedulerOutput) -> list[LoRAAdapter | None] | None:
+        """Each scheduled sequence's adapter, in a batch slot; None when none has one."""
         needed = {seq.adapter for seq in sched.seqs if seq.adapter is not None}
         if not needed:
-            return [None] * len(sched.seqs)
+            return None
         slots = self.lora_store.activate(needed, self.scheduler.running_adapters())
         return [None if seq.adapter is None else slots[seq.adapter] for seq in sched.seqs]
 
@@ -297,3 +297,8 @@ class LLMEngine(EngineCore):
             self._pending = [o for o in self._pending if o.request_id not in results]
             raise
         return list(results.values())
+
+
+def _refused(name: str, exc: AdapterError, param: str) -> InvalidRequestError:
+    """An adapter that does not fit, as a 400 naming the reason and the field."""
+    return InvalidRequestError(f"LoRA adapter {name!r}: {exc}", param)

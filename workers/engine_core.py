@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.router import blocks
-from prefixserve.router.adapters import adapter_fingerprint
+from prefixserve.router.adapters import adapter_fingerprint, adapter_name
 from prefixserve.router.events import KVEvent
 from prefixserve.router.request import TokenLogprob
 from prefixserve.router.sampling_params import SamplingParams
@@ -193,7 +193,7 @@ class EngineCore:
     def lora_for(self, identity: str, path: str | None = None) -> Any:
         """The adapter a request names by identity (`name@digest`); this engine has none."""
         raise InvalidRequestError(f"this model serves no LoRA adapters (asked for "
-                                  f"{identity.rsplit('@', 1)[0]!r})", "model")
+                                  f"{adapter_name(identity)!r})", "model")
 
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Per-sample state a subclass keeps in ``seq.extra`` (the real one: its generator and
@@ -379,4 +379,4 @@ class EngineCore:
 
 def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:
     """The LoRA adapters the sequences run under, sorted (vLLM's lora_requests_info)."""
-    return tuple(sorted({a.name for seq in seqs if (a := seq.extra.get("lora")) is not None}))
+    return tuple(sorted({adapter_name(s.adapter) for s in seqs if s.adapter is not None}))
