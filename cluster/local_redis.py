@@ -13,6 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import redis
+from redis.crc import key_slot
+
 
 class RedisBinaryNotFound(RuntimeError):
     pass
@@ -113,6 +116,76 @@ class LocalRedis:
         self._dir.cleanup()
 
     def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def cluster_port() -> int:
+    """A free port whose cluster bus port (+10,000) is free and a valid port too."""
+    while True:
+        port = free_port()
+        if port > 55_000:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10_000))
+            except OSError:
+                continue
+        return port
+
+
+class LocalRedisCluster:
+    """``n`` private cluster-enabled servers joined into one Redis Cluster, the 16,384 slots
+    split evenly, no replicas. A shard that dies leaves the others serving their slots
+    (``cluster-require-full-coverage no``), as a sharded index expects of its cluster."""
+
+    def __init__(self, n: int, extra_args: list[str] | None = None) -> None:
+        flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                 "--cluster-node-timeout", "5000", "--cluster-require-full-coverage", "no",
+                 *(extra_args or [])]
+        self.servers = [LocalRedis(port=cluster_port(), extra_args=flags) for _ in range(n)]
+        per = 16384 // n
+        self.slot_ranges = [(i * per, 16383 if i == n - 1 else (i + 1) * per - 1)
+                            for i in range(n)]
+
+    @property
+    def url(self) -> str:
+        """The cluster client's URL (any node's address, ``?cluster=true``)."""
+        return self.servers[0].url + "?cluster=true"
+
+    def start(self, timeout_s: float = 30.0) -> LocalRedisCluster:
+        for server in self.servers:
+            server.start()
+        for i, (server, (lo, hi)) in enumerate(zip(self.servers, self.slot_ranges, strict=True)):
+            with redis.Redis(port=server.port) as r:
+                r.execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+                if i:
+                    r.execute_command("CLUSTER", "MEET", "127.0.0.1", self.servers[0].port)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(self._converged(server) for server in self.servers):
+                return self
+            time.sleep(0.1)
+        raise TimeoutError("the Redis Cluster did not become ok")
+
+    def _converged(self, server: LocalRedis) -> bool:
+        """Whether ``server`` is ok and knows every shard's slots (gossip has reached it)."""
+        with redis.Redis(port=server.port) as r:
+            ok = r.cluster("info")["cluster_state"] == "ok"
+            return ok and len(r.execute_command("CLUSTER", "SLOTS")) == len(self.servers)
+
+    def shard_of(self, key: str) -> int:
+        """The index of the server whose slots hold ``key`` (or ``{tag}...`` keys)."""
+        slot = key_slot(key.encode())
+        return next(i for i, (lo, hi) in enumerate(self.slot_ranges) if lo <= slot <= hi)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.close()
+
+    def __enter__(self) -> LocalRedisCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

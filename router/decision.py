@@ -32,12 +32,13 @@ LOOKUP_WAIT_DEADLINES = 4
 @dataclass(frozen=True)
 class LookupAttempt:
     """One lookup a decision made: where it was asked (``local``: the follower copy, ``index``:
-    a round trip; None: nowhere), why it failed open (None: it was answered), and how long it
-    took when answered."""
+    a round trip; None: nowhere), why it failed open (None: it was answered), how long it
+    took when answered, and how many shards of a sharded index left their part unknown."""
 
     source: str | None
     failopen: str | None
     seconds: float = 0.0
+    unknown_shards: int = 0
 
 
 @dataclass
@@ -98,7 +99,7 @@ class LookupSource:
                 timeout = isinstance(exc, (asyncio.TimeoutError, TimeoutError))
                 return None, LookupAttempt(source, "timeout" if timeout else "unavailable")
         state.looked_up(result)
-        return result, LookupAttempt(source, None, self.clock() - start)
+        return result, LookupAttempt(source, None, self.clock() - start, result.unknown_shards)
 
 
 class RoutingCore:
@@ -125,6 +126,8 @@ class RoutingCore:
         async def lookup(chain: Chain) -> LookupResult | None:
             result, attempt = await self.source.lookup(chain, now)
             attempts.append(attempt)
+            if result is not None and result.unknown:
+                ctx.unknown |= result.unknown
             return result
 
         result = await state.match(ctx, lookup, now)

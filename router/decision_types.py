@@ -27,6 +27,7 @@ class RequestContext:
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
     adapter: str | None = None  # its LoRA adapter's identity; None: the base model
     failopen: str | None = None  # why its lookup failed open, if it did
+    unknown: frozenset[str] = frozenset()  # replicas its lookup had no answer for (a shard down)
 
 
 def tie_key(ctx: RequestContext, deepest: int) -> bytes:

@@ -51,6 +51,10 @@ class IndexSettings(BaseModel):
         "under its own key prefix (one Redis Cluster slot each): workers write to their "
         "group's, lookups ask all at once. More than 1 when one Redis core cannot keep up "
         "with the fleet's KV events (about 400k block events/s)")
+    shard_backoff_s: float = Field(
+        1.0, gt=0.0, description="With shards > 1: after a shard fails a lookup (down, or "
+        "slower than the deadline), later lookups leave its part unknown this long without "
+        "asking it, and answer from the other shards")
     event_log: int = Field(
         20_000, ge=0, description="Routers follow the index's event log, which the index then "
         "keeps about this long (KV event batches, resyncs, predicted entries), and keep their "
@@ -136,6 +140,10 @@ class LookupResult:
     # every live worker known, matched or not (shared: do not mutate)
     loads: Mapping[str, WorkerLoad] = field(default_factory=dict)  # replica_id -> latest load
     worker_ids: Mapping[str, int] = field(default_factory=dict)  # replica_id -> worker id
+    # a sharded index's partial answer: the live workers (as last known) whose shard did not
+    # answer, so that matching nothing says nothing about them, and how many shards that was
+    unknown: frozenset[str] = frozenset()
+    unknown_shards: int = 0
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ from prefixserve.router.sampling_params import SamplingParams
 class Expected:
     """What the router expected of the worker Serve sent a request to: the cached depth it
     credited there (blocks), and why that may be off (``failopen``: ranked without the index;
-    ``serve``: Serve sent it past the router's first choice; None: neither). The worker compares
+    ``partial``: the index's shard holding this worker's part did not answer; ``serve``: Serve
+    sent it past the router's first choice; None: none of these). The worker compares
     it with what it finds (workers/index_truth.py): how true the index is."""
 
     blocks: int

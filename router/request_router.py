@@ -132,6 +132,13 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             "following the index's event log) or index (a round trip, which may fail open).",
             tag_keys=(*keys, "source"),
         ).set_default_tags(tags)
+        self._partial = metrics.Counter(
+            "prefixserve_router_partial_lookups",
+            description="Index lookups answered without the part of one or more shards of a "
+            "sharded index (down, or slower than the deadline): those shards' workers were "
+            "ranked as matching nothing.",
+            tag_keys=keys,
+        ).set_default_tags(tags)
         self._failopen = metrics.Counter(
             "prefixserve_router_index_failopen",
             description="Requests ranked by load only because the index was unset, slow "
@@ -172,6 +179,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
                 self._lookups.inc(tags={"source": attempt.source})
             if attempt.failopen is not None:
                 self._failopen.inc(tags={"reason": attempt.failopen})
+            if attempt.unknown_shards:
+                self._partial.inc()
         self._latency.observe(time.perf_counter() - start)
         return ranked_tiers(candidate_replicas, decision.ranking.keys)
 

@@ -240,7 +240,7 @@ class RouterState:
         if ctx is None:
             return None
         first = self.routed.get(key)
-        reason = "failopen" if ctx.failopen else None
+        reason = "failopen" if ctx.failopen else "partial" if worker in ctx.unknown else None
         if reason is None and first is not None and first.worker != worker:
             reason = "serve"
         return Expected(ctx.depth.get(worker, 0), reason)

@@ -8,6 +8,15 @@ worker's registration, events and heartbeats go to its group only; a lookup asks
 at once and merges their replies (their workers are disjoint); a predicted entry goes to the
 group of the worker it names. Blocks held in two groups cost an entry in each.
 
+Why workers and not blocks: a worker's batch of events touches one group, so it still applies
+atomically, and a fleet's event rate splits evenly over the groups whatever its prompts share;
+keyed by block, every worker's events for a popular system prompt would meet on one shard, and a
+batch would span shards. A lookup asks each group once, all at once: one round trip.
+
+A group that fails a lookup (down, or slower than the deadline) leaves its part of the answer
+unknown (:attr:`LookupResult.unknown`) and is not asked again for ``shard_backoff_s``; the
+lookup answers from the other groups, and fails only when none answered.
+
 Worker ids returned here carry the group: ``group * GROUP_SPAN + id in the group``.
 """
 
@@ -16,19 +25,26 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
 
 from prefixserve.router.events import EventBatch, WorkerLoad
 from prefixserve.router.index import (
     IndexSettings,
     IndexSize,
+    IndexUnavailable,
     LookupResult,
     PrefixIndex,
     ResultCode,
     WorkerInfo,
 )
 
+logger = logging.getLogger(__name__)
+
 GROUP_SPAN = 1 << 16  # a store's worker ids are 1..65535
+T = TypeVar("T")
 
 
 def group_name(model: str, group: int) -> str:
@@ -50,14 +66,24 @@ class ShardedPrefixIndex:
         model: str,
         settings: IndexSettings,
         open_store: Callable[[str], PrefixIndex],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``open_store(name)`` opens one group's store (the URL's store, unsharded)."""
         self.model = model
         self.stores = [open_store(group_name(model, g)) for g in range(settings.shards)]
         self.lease_ttl_s = self.stores[0].lease_ttl_s
         self.admin_deadline_s = self.stores[0].admin_deadline_s
+        self.backoff_s = settings.shard_backoff_s
+        self.clock = clock
+        self._down_until = [0.0] * len(self.stores)  # per group: not asked before then
+        self._last = [LookupResult({})] * len(self.stores)  # per group: its latest answer
         self._merged: tuple[tuple[Mapping, ...], Mapping[str, WorkerLoad], Mapping[str, int]]
         self._merged = ((), {}, {})
+
+    def backing_off(self) -> list[int]:
+        """The groups whose part of a lookup is unknown now, without asking them."""
+        now = self.clock()
+        return [g for g, until in enumerate(self._down_until) if now < until]
 
     def _split(self, worker_id: int) -> tuple[PrefixIndex, int]:
         group, local = divmod(worker_id, GROUP_SPAN)
@@ -82,9 +108,33 @@ class ShardedPrefixIndex:
         await store.deregister(local)
 
     async def live_workers(self) -> list[WorkerInfo]:
-        groups = await asyncio.gather(*(s.live_workers() for s in self.stores))
+        """The groups that answer; fails only when none does."""
+        groups = await self._each(lambda s: s.live_workers(), range(len(self.stores)))
         return [dataclasses.replace(w, worker_id=g * GROUP_SPAN + w.worker_id)
-                for g, workers in enumerate(groups) for w in workers]
+                for g, workers in groups.items() for w in workers]
+
+    async def _each(self, call: Callable[[PrefixIndex], Awaitable[T]],
+                    groups: Iterable[int]) -> dict[int, T]:
+        """``call`` on each group's store at once: the answers by group, the failed left out
+        (and backed off from); the first failure is raised when every group failed."""
+        groups = list(groups)
+        replies = await asyncio.gather(*(call(self.stores[g]) for g in groups),
+                                       return_exceptions=True)
+        answers: dict[int, T] = {}
+        failures: list[Exception] = []
+        for g, reply in zip(groups, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._down_until[g] = self.clock() + self.backoff_s
+                failures.append(reply)
+                logger.warning("index shard %s failed (%r): its part of lookups is unknown "
+                               "for %.1f s", group_name(self.model, g), reply, self.backoff_s)
+            elif isinstance(reply, BaseException):  # cancelled, or the process is exiting
+                raise reply
+            else:
+                answers[g] = reply
+        if failures and not answers:
+            raise failures[0]
+        return answers
 
     async def apply(self, batch: EventBatch) -> ResultCode:
         store, local = self._split(batch.worker_id)
@@ -95,15 +145,25 @@ class ShardedPrefixIndex:
         await store.resync(local, epoch, hashes, seq)
 
     async def lookup(self, chain: Sequence[bytes]) -> LookupResult:
-        """The groups' lookups at once; one failing fails the lookup (the router fails open)."""
-        results = await asyncio.gather(*(s.lookup(chain) for s in self.stores))
+        """The groups' lookups at once, less those backing off; a group that fails is left
+        unknown (its workers as last known). Fails when no group answered (the router fails
+        open)."""
+        down = set(self.backing_off())
+        if len(down) == len(self.stores):
+            raise IndexUnavailable(f"every shard of {self.model}'s index is backing off")
+        answers = await self._each(lambda s: s.lookup(chain),
+                                   (g for g in range(len(self.stores)) if g not in down))
         matches = {}
-        for g, result in enumerate(results):
+        for g, result in answers.items():
+            self._last[g] = result
             for key, match in result.matches.items():
                 matches[key] = dataclasses.replace(
                     match, worker_id=g * GROUP_SPAN + match.worker_id)
-        loads, ids = self._merge(results)
-        return LookupResult(matches, max(r.blocks_walked for r in results), loads, ids)
+        loads, ids = self._merge(self._last)
+        unknown = [g for g in range(len(self.stores)) if g not in answers]
+        return LookupResult(
+            matches, max(r.blocks_walked for r in answers.values()), loads, ids,
+            frozenset(k for g in unknown for k in self._last[g].worker_ids), len(unknown))
 
     def _merge(
         self, results: Sequence[LookupResult]
@@ -126,10 +186,11 @@ class ShardedPrefixIndex:
         await store.predict(chain, local, from_block=from_block)
 
     async def gc(self) -> int:
-        return sum(await asyncio.gather(*(s.gc() for s in self.stores)))
+        """Every group that answers is collected; fails only when none does."""
+        return sum((await self._each(lambda s: s.gc(), range(len(self.stores)))).values())
 
     async def size(self) -> IndexSize:
         return sum(await asyncio.gather(*(s.size() for s in self.stores)), IndexSize(0, 0, 0))
 
     async def close(self) -> None:
-        await asyncio.gather(*(s.close() for s in self.stores))
+        await asyncio.gather(*(s.close() for s in self.stores), return_exceptions=True)

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import shutil
 import struct
-import subprocess
 import time
 import uuid
 from importlib.resources import files
@@ -17,7 +15,7 @@ import pytest
 import redis
 from conftest import TlsRedis
 
-from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.local_redis import LocalRedis, LocalRedisCluster
 from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import (
     AllBlocksCleared,
@@ -871,25 +869,10 @@ async def test_connect_timeout_bounds_a_setup_that_hangs(redis_server: LocalRedi
 
 
 @pytest.mark.cluster
-@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli to form a cluster")
 async def test_redis_cluster_via_url() -> None:
-    # an explicit bus port: the default (port + 10000) may be taken or past 65535
-    nodes = [LocalRedis(extra_args=["--cluster-enabled", "yes", "--cluster-port", str(free_port())])
-             for _ in range(3)]
-    try:
-        for node in nodes:
-            node.start()
-        subprocess.run(["redis-cli", "--cluster", "create",
-                        *[f"127.0.0.1:{n.port}" for n in nodes],
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
-        raws = [redis.Redis.from_url(n.url) for n in nodes]
-        deadline = time.monotonic() + 15
-        while not all(b"cluster_state:ok" in r.execute_command("CLUSTER", "INFO") for r in raws):
-            assert time.monotonic() < deadline, "cluster did not converge"
-            await asyncio.sleep(0.1)
-
-        idx = RedisPrefixIndex(nodes[0].url + "?cluster=true", model_name(), deadline_s=2.0)
+    with LocalRedisCluster(3) as cluster:
+        raws = [redis.Redis.from_url(n.url) for n in cluster.servers]
+        idx = RedisPrefixIndex(cluster.url, model_name(), deadline_s=2.0)
         try:
             ch = chain_of(21, 6)
             a = await register(idx, "A")
@@ -907,7 +890,7 @@ async def test_redis_cluster_via_url() -> None:
             await idx.close()
         # ... unless the model is split over worker groups: then their slots spread it
         name = model_name()
-        sharded = open_index(nodes[0].url + "?cluster=true", name, deadline_s=2.0,
+        sharded = open_index(cluster.url, name, deadline_s=2.0,
                              settings=IndexSettings(shards=8))
         try:
             rids = [f"W{i}" for i in range(24)]
@@ -921,9 +904,6 @@ async def test_redis_cluster_via_url() -> None:
             assert len(holders) >= 2
         finally:
             await sharded.close()
-    finally:
-        for node in nodes:
-            node.close()
 
 
 class RecordingStore:

@@ -58,14 +58,15 @@ def test_a_block_removed_here_is_evicted_in_the_namespace_of_its_salt_and_adapte
     assert truth.judge(request(8, salt="t", lora="a@1"), 3 * BS) == (-5, "evicted")
     assert truth.judge(request(8, salt="t"), 3 * BS) == (-5, "never_stored")  # other namespace
     assert truth.judge(request(8, salt="t", lora="a@1"), 2 * BS) == (-6, "never_stored")
-    assert truth.off == {"failopen": 0, "serve": 0, "evicted": 1, "never_stored": 2,
-                         "not_indexed": 0}
+    assert truth.off == {"failopen": 0, "partial": 0, "serve": 0, "evicted": 1,
+                         "never_stored": 2, "not_indexed": 0}
 
 
 def test_the_routers_reason_comes_first_and_a_cleared_cache_evicted_everything() -> None:
     truth = IndexTruth("fp", BS, window=4)
     assert truth.judge(request(8, "failopen"), 0) == (-8, "failopen")
     assert truth.judge(request(0, "serve"), 8 * BS) == (8, "serve")
+    assert truth.judge(request(0, "partial"), 4 * BS) == (4, "partial")
     digests = [bytes([i]) * 16 for i in range(6)]
     truth.on_events([BlockRemoved(tuple(digests[:3]))])
     truth.on_events([AllBlocksCleared()])
@@ -89,6 +90,9 @@ def test_the_router_expects_its_credited_depth_and_says_why_it_may_be_off() -> N
     assert len(chain) == 10
     assert st.expected(1, "a") == Expected(6, None)
     assert st.expected(1, "b") == Expected(2, "serve")  # past the first choice
+    ctx.unknown = frozenset({"b"})  # b's shard did not answer: its depth is a guess
+    assert st.expected(1, "b") == Expected(2, "partial")
+    assert st.expected(1, "a") == Expected(6, None)
     ctx.failopen = "timeout"
     assert st.expected(1, "a") == Expected(6, "failopen")
     st.sent(1, "a", "i1", 0.0)

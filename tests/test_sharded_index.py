@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 
 import pytest
@@ -9,10 +11,23 @@ import redis
 
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.decision import LookupSource, RoutingCore
+from prefixserve.router.decision_types import Candidate
 from prefixserve.router.events import BlockStored, EventBatch, WorkerLoad
-from prefixserve.router.index import INDEX_KEY_BYTES, IndexSettings, IndexSize, ResultCode
+from prefixserve.router.index import (
+    INDEX_KEY_BYTES,
+    IndexSettings,
+    IndexSize,
+    IndexUnavailable,
+    ResultCode,
+    WorkerInfo,
+)
 from prefixserve.router.index_stores import open_index
+from prefixserve.router.redis_index import RedisPrefixIndex
 from prefixserve.router.redis_records import key_tag
+from prefixserve.router.request import Expected
+from prefixserve.router.router_settings import RouterSettings
+from prefixserve.router.router_state import RouterState
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
 
 SHARDS = 3
@@ -115,3 +130,94 @@ def test_groups_are_stable_and_spread() -> None:
     assert groups == [group_of(f"replica-{i}", 4) for i in range(400)]
     assert all(60 < groups.count(g) < 140 for g in range(4))
     assert len({key_tag(group_name("m", g)) for g in range(4)}) == 4  # a key prefix each
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_slow_group_leaves_its_part_unknown_until_its_backoff_ends(
+    redis_server: LocalRedis
+) -> None:
+    names = one_per_group()
+    model = "s" + uuid.uuid4().hex[:7]
+    settings = IndexSettings(shards=SHARDS, lease_ttl_s=30.0, shard_backoff_s=1.0)
+    with LocalRedis() as slow:
+        def open_store(name: str) -> RedisPrefixIndex:
+            url = slow.url if name == group_name(model, 1) else redis_server.url
+            return RedisPrefixIndex(url, name, deadline_s=0.3, settings=settings)
+
+        clock = Clock()
+        index = ShardedPrefixIndex(model, settings, open_store, clock)
+        try:
+            ids = [await register(index, rid) for rid in names]
+            tokens = list(range(6 * 16 + 1))
+            ch = hash_chain(tokens, 16, namespace("fp"))
+            for w, n in zip(ids, (6, 4, 2), strict=True):
+                await index.apply(EventBatch(w, 1, 1, (BlockStored(tuple(ch[:n])),)))
+            await index.heartbeat(ids[1], 1, WorkerLoad(num_running=3))
+            full = await index.lookup(ch)
+            assert depths(full) == {names[0]: (6, 6), names[1]: (4, 4), names[2]: (2, 2)}
+            assert (full.unknown, full.unknown_shards) == (frozenset(), 0)
+
+            os.kill(slow._proc.pid, signal.SIGSTOP)  # group 1's shard stops answering
+            try:
+                part = await index.lookup(ch)
+                assert depths(part) == {names[0]: (6, 6), names[2]: (2, 2)}
+                assert (part.unknown, part.unknown_shards) == ({names[1]}, 1)
+                # its workers as last known: still candidates, on their last loads
+                assert part.loads[names[1]] == WorkerLoad(num_running=3)
+                assert part.worker_ids[names[1]] == ids[1]
+                assert index.backing_off() == [1]
+                # a decision over the partial answer: ranked, counted, and what travels to a
+                # worker of the unknown shard says why its depth may be off
+                state = RouterState(RouterSettings(fingerprint="fp", block_size=16))
+                state.gate.check_workers([WorkerInfo(1, names[0], 1, 16, "fp", "")], [], 0.0)
+                core = RoutingCore(state, LookupSource(state, index, None, deadline_s=0.3))
+                decision = await core.decide(
+                    1, tokens, None, [Candidate(n) for n in names], "r1", now=0.0)
+                assert decision.best == names[0]
+                assert [(a.source, a.failopen, a.unknown_shards) for a in decision.lookups] \
+                    == [("index", None, 1)]
+                assert state.expected(1, names[0]) == Expected(6, None)
+                assert state.expected(1, names[1]) == Expected(0, "partial")
+                assert state.expected(1, names[2]) == Expected(2, "serve")
+                # the other groups still answer the rest of the index's calls
+                assert {w.replica_id for w in await index.live_workers()} == {names[0], names[2]}
+                assert await index.gc() == 0
+            finally:
+                os.kill(slow._proc.pid, signal.SIGCONT)
+            # answering again, but not asked until its backoff ends
+            assert (await index.lookup(ch)).unknown == {names[1]}
+            clock.now = 1.0
+            assert index.backing_off() == []
+            back = await index.lookup(ch)
+            assert depths(back) == depths(full) and back.unknown_shards == 0
+        finally:
+            await index.close()
+
+
+async def test_a_lookup_fails_only_when_no_group_answers() -> None:
+    settings = IndexSettings(shards=2, shard_backoff_s=1.0)
+    with LocalRedis() as server:
+        clock = Clock()
+        index = ShardedPrefixIndex(
+            "down", settings,
+            lambda name: RedisPrefixIndex(server.url, name, deadline_s=0.3, settings=settings),
+            clock)
+        try:
+            wid = await register(index, "R0")
+            server.stop()
+            with pytest.raises(IndexUnavailable):
+                await index.lookup(chain_of(4, 2))
+            assert index.backing_off() == [0, 1]
+            with pytest.raises(IndexUnavailable, match=r"every shard .* is backing off"):
+                await index.lookup(chain_of(4, 2))
+            with pytest.raises(IndexUnavailable):  # no group to take it
+                await index.heartbeat(wid, 1, WorkerLoad())
+        finally:
+            await index.close()

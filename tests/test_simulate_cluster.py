@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from prefixserve.bench.micro.round_trip import RoundTrips
+from prefixserve.bench.micro.router_copy import footprint
 from prefixserve.bench.sim.router import IndexSpec, RouterProcess, SimRouter, check_policy
 from prefixserve.bench.sim.simulate import (
+    EVENT_LOG,
     LEASE_TTL_S,
     SimRequest,
     Simulator,
@@ -115,7 +117,8 @@ async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: st
     """A prefix-policy run over 8 workers: the simulator and where each request went."""
     model, settings = f"t-{time.time_ns()}", IndexSettings(lease_ttl_s=LEASE_TTL_S)
     index = open_index(redis_url, model, deadline_s=2.0, settings=settings)
-    where = IndexSpec(redis_url, model, settings, 2.0) if own_process else None
+    follow = EVENT_LOG if local_index else 0
+    where = IndexSpec(redis_url, model, settings, 2.0, follow) if own_process else None
     sim = Simulator(PROFILE, 8, "prefix", config, index, router=router, router_process=where,
                     local_index=local_index)
     reqs = fresh(requests)
@@ -129,13 +132,13 @@ async def replay(requests: list[SimRequest], config: EngineConfig, redis_url: st
     try:
         await sim.run(reqs)
         index.lookup = lookup  # type: ignore[method-assign]
-        if local_index:
+        if local_index and not own_process:
             # the local index answered every lookup (its follower reads loads as a lookup of
             # no block)
             assert asked and not [chain for chain in asked if chain]
         elif not own_process:  # (a router process has its own connection)
             assert len(asked) >= len(reqs)
-        if local_index:  # the local copy holds what the index holds, worker by worker
+        if local_index and not own_process:  # the copy holds what the index holds
             assert sim.local is not None
             await sim.local.catch_up()  # the events after the last decision
             for req in reqs[::5]:
@@ -189,10 +192,16 @@ def test_a_local_index_answers_as_the_redis_lookups_did(redis_server, tmp_path) 
     assert isinstance(local.router, SimRouter) and local.router.local is local.local
     assert routed_local == routed_redis and len(set(routed_local)) > 1
     assert len(local.router.timings.lookup_s) >= len(requests)
-    with pytest.raises(ValueError, match="process"):
-        Simulator(PROFILE, 2, "prefix", config, object(),  # type: ignore[arg-type]
-                  router_process=IndexSpec("redis://x", "m", IndexSettings(), 1.0),
-                  local_index=True)
+    asyncio.run(local.router.close())
+    assert local.router.timings.copy_bytes == footprint(local.local.held) > 0
+    # a router process follows the log itself, decides the same, and says what it holds
+    there, routed_there = asyncio.run(replay(requests, config, redis_server.url, True,
+                                             local_index=True))
+    assert isinstance(there.router, RouterProcess) and there.local is None
+    assert routed_there == routed_redis
+    timed = there.router.timings
+    assert len(timed.lookup_s) >= len(requests) and not timed.redis_s
+    assert timed.copy_bytes > 0 and timed.max_rss_bytes > 2**20
 
 
 def test_policies_are_checked_before_anything_starts() -> None:

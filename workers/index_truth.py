@@ -5,6 +5,7 @@ The difference, in blocks (found less expected), goes to a histogram. A request 
 one block is counted by its cause where one is known:
 
 - ``failopen``: the router ranked it without the index;
+- ``partial``: the index's shard holding this worker's part did not answer the lookup;
 - ``serve``: Serve sent it past the router's first choice (the router's depth for this worker
   still travels with it, so the difference is real, but the choice was not the router's);
 - ``evicted``: the first block expected and not found was held here and evicted in between
@@ -28,7 +29,7 @@ from prefixserve.router.events import AllBlocksCleared, BlockRemoved, KVEvent
 from prefixserve.router.request import GenerateRequest
 
 REMOVALS_WINDOW = 65_536  # recent removals remembered (16-byte digests: about 6 MB)
-CAUSES = ("failopen", "serve", "evicted", "never_stored", "not_indexed")
+CAUSES = ("failopen", "partial", "serve", "evicted", "never_stored", "not_indexed")
 
 
 class IndexTruth:

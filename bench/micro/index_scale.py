@@ -26,12 +26,15 @@ shared chain twice holds its blocks once.
     python -m prefixserve.bench.micro.index_scale --mode cluster --convs 6   # 3 shards, 3 models
     python -m prefixserve.bench.micro.index_scale --mode groups --convs 6    # 3 shards, 1 model,
                                                                              # 3 groups
+    python -m prefixserve.bench.micro.index_scale --mode groups --nodes 6 --shards 6
 
 In a Redis Cluster one model's keys share one hash tag, hence one slot, hence one shard: the
 cluster mode fills ``--models`` models whose tags land on different shards, concurrently, and
 reports per-shard fill rate and memory (one model's whole index is on one shard). The groups
 mode splits one model over ``--shards`` worker groups (``IndexSettings.shards``) whose key
-prefixes spread over the shards: fill, memory, fan-out lookups and apply saturation per shard.
+prefixes spread over the ``--nodes`` shards: fill, memory, fan-out lookups and apply saturation
+per shard, with the event rate the shards could take with a core each (Redis' own CPU per event
+on the busiest shard).
 """
 
 from __future__ import annotations
@@ -42,9 +45,6 @@ import itertools
 import json
 import os
 import random
-import shutil
-import socket
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,7 +55,7 @@ from redis.crc import key_slot
 
 from prefixserve.bench.micro.redis_time import script_sha, slowlog_ms, slowlog_on
 from prefixserve.bench.percentile import percentile
-from prefixserve.cluster.local_redis import LocalRedis, free_port
+from prefixserve.cluster.local_redis import LocalRedis, LocalRedisCluster
 from prefixserve.router.events import BlockRemoved, BlockStored, EventBatch, WorkerLoad
 from prefixserve.router.index import IndexSettings, IndexSize, PrefixIndex, ResultCode
 from prefixserve.router.index_stores import open_index
@@ -326,6 +326,10 @@ async def saturation(model: Model, batch: int, workers: int, seconds: float) -> 
     row = {"phase": f"saturation {batch}-block batches x{workers}", "events_per_s": rate,
            "events": bg.events, "redis_cpu_us_per_event": sum(cpu) / bg.events * 1e6,
            "redis_cpu_s_per_shard": cpu,
+           # the event rate at which the busiest shard would use a whole core: what the shards
+           # can take when each has a core of its own (a 2-vCPU machine's clients saturate
+           # first, so the wall-clock rate above cannot show it)
+           "capacity_events_per_s": bg.events / max(cpu),
            "apply_p50_ms": percentile(server, 50) if server else None,
            "apply_p99_ms": percentile(server, 99) if server else None,
            "apply_max_ms": max(server) if server else None,
@@ -414,66 +418,20 @@ def pick_models(n: int, slots_per_node: list[tuple[int, int]]) -> list[str]:
     raise AssertionError
 
 
-def cluster_port() -> int:
-    """A free port whose cluster bus port (+10,000) is free and valid too."""
-    while True:
-        port = free_port()
-        if port > 55_000:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 10_000))
-            except OSError:
-                continue
-        return port
-
-
-def start_cluster(n: int) -> list[LocalRedis]:
-    """``n`` private cluster-enabled servers joined into one cluster, slots split evenly."""
-    flags = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-             "--cluster-node-timeout", "5000"]
-    servers = [LocalRedis(port=cluster_port(), extra_args=flags).start() for _ in range(n)]
-    addrs = [f"127.0.0.1:{s.port}" for s in servers]
-    cli = shutil.which("redis-cli")
-    if cli:
-        subprocess.run([cli, "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                        "--cluster-yes"], check=True, capture_output=True)
-    else:
-        per = 16384 // n
-        for i, s in enumerate(servers):
-            r = redis.Redis(port=s.port)
-            hi = 16383 if i == n - 1 else (i + 1) * per - 1
-            r.execute_command("CLUSTER", "ADDSLOTSRANGE", i * per, hi)
-            if i:
-                r.execute_command("CLUSTER", "MEET", "127.0.0.1", servers[0].port)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if all(redis.Redis(port=s.port).cluster("info")["cluster_state"] == "ok"
-               for s in servers):
-            return servers
-        time.sleep(0.2)
-    raise TimeoutError("cluster did not become ok")
-
-
-def cluster_nodes(servers: list[LocalRedis]) -> tuple[list[redis.Redis], list[tuple[int, int]]]:
+def cluster_nodes(cluster: LocalRedisCluster) -> tuple[list[redis.Redis], list[tuple[int, int]]]:
     """A plain client of each shard and the slot range it serves."""
-    raws = [redis.Redis(port=s.port) for s in servers]
-    ranges = []
-    for r in raws:
-        slots = [s for s in r.cluster("slots")
-                 if s[2][1] == r.connection_pool.connection_kwargs["port"]]
-        ranges.append((slots[0][0], slots[0][1]))
-    return raws, ranges
+    return [redis.Redis(port=s.port) for s in cluster.servers], cluster.slot_ranges
 
 
 async def run_groups(args: argparse.Namespace, fleet: Fleet) -> dict:
-    """One model split over ``--shards`` worker groups spread over a 3-shard cluster."""
+    """One model split over ``--shards`` worker groups spread over a ``--nodes``-shard
+    cluster."""
     rng = random.Random(args.seed)
-    servers = start_cluster(3)
+    cluster = LocalRedisCluster(args.nodes).start()
     try:
-        raws, ranges = cluster_nodes(servers)
+        raws, ranges = cluster_nodes(cluster)
         name = pick_grouped(args.shards, ranges)
-        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        url = cluster.url
         model = await open_model(url, name, lambda tag: raws[node_of(tag, ranges)],
                                  args.workers, args.shards)
         for r in raws:
@@ -506,17 +464,16 @@ async def run_groups(args: argparse.Namespace, fleet: Fleet) -> dict:
         await model.index.close()
         return out
     finally:
-        for s in servers:
-            s.close()
+        cluster.close()
 
 
 async def run_cluster(args: argparse.Namespace, fleet: Fleet) -> dict:
     rng = random.Random(args.seed)
-    servers = start_cluster(3)
+    cluster = LocalRedisCluster(args.models).start()
     try:
-        raws, ranges = cluster_nodes(servers)
+        raws, ranges = cluster_nodes(cluster)
         names = pick_models(args.models, ranges)
-        url = f"redis://127.0.0.1:{servers[0].port}/0?cluster=true"
+        url = cluster.url
         models = []
         for name in names:
             node = node_of(key_tag(name), ranges)
@@ -570,8 +527,7 @@ async def run_cluster(args: argparse.Namespace, fleet: Fleet) -> dict:
             await m.index.close()
         return out
     finally:
-        for s in servers:
-            s.close()
+        cluster.close()
 
 
 def parse_args() -> argparse.Namespace:
@@ -580,6 +536,7 @@ def parse_args() -> argparse.Namespace:
                    help="one Redis; 3 shards, one model each; 3 shards, one model over "
                    "--shards worker groups")
     p.add_argument("--shards", type=int, default=3, help="groups mode: worker groups")
+    p.add_argument("--nodes", type=int, default=3, help="groups mode: the cluster's shards")
     p.add_argument("--workers", type=int, default=1000, help="workers per model")
     p.add_argument("--convs", type=int, default=59,
                    help="conversations per worker (59 x 512 blocks ~ 30,000 blocks)")

@@ -7,7 +7,9 @@ the ingress only. :class:`RouterProcess` runs the same :class:`SimRouter` in a c
 with its own index connection, in lock step: the simulator waits for each decision, so
 simulated time and the decisions are exactly those of the in-process run. Where the router
 gets a core of its own, its decisions are timed without the fleet's work between them (on a
-2-vCPU machine the two share the cores, and the figures come out the same either way).
+2-vCPU machine the two share the cores, and the figures come out the same either way). With the
+event log followed, the process keeps its own follower, caught up before each decision outside
+its timing, and reports its peak resident memory: what a router following the fleet holds.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import gc
 import itertools
 import multiprocessing
 import random
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +29,11 @@ import uvloop
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
 from prefixserve.bench.micro.redis_time import lookup_clock
+from prefixserve.bench.micro.router_copy import footprint
 from prefixserve.router.decision import LookupSource, RoutingCore
 from prefixserve.router.decision_types import Candidate
 from prefixserve.router.index import IndexSettings, PrefixIndex
-from prefixserve.router.index_follower import IndexFollower
+from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.ray_prefix import TOKEN_CHAR_BASE
 from prefixserve.router.router_settings import RouterSettings
@@ -60,6 +64,8 @@ class Timings:
     lookup_s: list[float] = field(default_factory=list)
     rank_s: list[float] = field(default_factory=list)
     lookups_failed: int = 0
+    copy_bytes: int = 0  # the follower's copy of the index, at the end (local lookups only)
+    max_rss_bytes: int = 0  # a router process's peak resident memory (0: in process)
 
 
 class SimRouter:
@@ -124,7 +130,9 @@ class SimRouter:
         self.core.completed(self.names[worker], str(key))
 
     async def close(self) -> None:
-        """Nothing to release here (the index is the caller's)."""
+        """Record the follower copy's size (the index is the caller's)."""
+        if self.local is not None:
+            self.timings.copy_bytes = footprint(self.local.held)
 
     def _ray_prefix(self, tokens: Sequence[int], ongoing: Sequence[int], now: float) -> int:
         """PrefixCacheAffinityRouter's choice (load balanced: its default threshold is inf)."""
@@ -163,6 +171,7 @@ class IndexSpec:
     model: str
     settings: IndexSettings
     deadline_s: float
+    follow_log: int = 0  # > 0: answer lookups from a follower of the event log, this long
 
 
 @dataclass(frozen=True)
@@ -227,15 +236,19 @@ def _child(conn: Connection, spec: RouterSpec) -> None:
 
 
 async def _serve(conn: Connection, spec: RouterSpec) -> None:
-    where, index = spec.index, None
+    where, index, local = spec.index, None, None
     if where.url is not None:
         index = open_index(where.url, where.model, deadline_s=where.deadline_s,
                            settings=where.settings)
+        if where.follow_log:
+            logs = event_logs(index)
+            assert logs is not None, "the index keeps no event log"
+            local = IndexFollower(index, logs, log_entries=where.follow_log)
     try:
-        with lookup_clock(where.url) as redis_time:
+        with lookup_clock(None if local else where.url) as redis_time:
             router = SimRouter(spec.policy, spec.names, index, spec.settings,
                                index_deadline_s=where.deadline_s, seed=spec.seed,
-                               redis_time=redis_time)
+                               redis_time=redis_time, local=local)
             await _answer(conn, router)
     finally:
         if index is not None:
@@ -260,11 +273,17 @@ async def _answer(conn: Connection, router: SimRouter) -> None:
                 *request, done = args
                 for worker, key in done:
                     router.completed(worker, key)
+                if router.local is not None:  # what the simulator applied by now
+                    await router.local.catch_up()
                 reply = await router.route(*request)
                 decisions += 1
                 if decisions % GC_EVERY_DECISIONS == 0:
                     gc.collect(1)
             else:
+                await router.close()
+                # ru_maxrss is in KiB on Linux
+                router.timings.max_rss_bytes = resource.getrusage(
+                    resource.RUSAGE_SELF).ru_maxrss * 1024
                 conn.send(router.timings)
                 return
         except Exception as exc:  # the simulator re-raises it

@@ -161,12 +161,22 @@ class RunResult:
     redis_p99_ms: float = 0.0
     work_p50_ms: float = 0.0
     work_p99_ms: float = 0.0
+    # with --local-index: the follower copy's bytes at the end; with --router-process too, the
+    # router process's peak resident memory
+    copy_mib: float = 0.0
+    router_rss_mib: float = 0.0
 
     def parts(self) -> str:
         return (f"{self.policy} at {self.workers} workers, decision parts, ms: hashing p50 "
                 f"{self.hash_p50_ms:.3f} p99 {self.hash_p99_ms:.3f}; each lookup p50 "
                 f"{self.lookup_p50_ms:.3f} p99 {self.lookup_p99_ms:.3f}; ranking p50 "
                 f"{self.rank_p50_ms:.3f} p99 {self.rank_p99_ms:.3f}")
+
+    def memory(self) -> str:
+        rss = f"; router process peak RSS {self.router_rss_mib:.0f} MiB" \
+            if self.router_rss_mib else ""
+        return (f"{self.policy} at {self.workers} workers, the router's copy of the index "
+                f"{self.copy_mib:.1f} MiB{rss}")
 
     def work(self) -> str:
         return (f"{self.policy} at {self.workers} workers, decision work, ms: router CPU p50 "
@@ -223,12 +233,10 @@ class Simulator:
         """``router``: RouterSettings fields; ``redis_time``: Redis' own ms running the
         lookups since its last call (read after each prefix decision, outside its timing);
         ``router_process``: run the router in a process of its own, with its own connection
-        to this index (and its own Redis timing); ``local_index``: answer the router's lookups
-        in process, from a follower of the index's event log, caught up before each
-        decision."""
+        to this index (and its own Redis timing; its ``follow_log`` for a follower of its
+        own); ``local_index``: answer the router's lookups in process, from a follower of the
+        index's event log, caught up before each decision."""
         check_policy(policy, index)  # here too: a router process would only fail at start
-        if local_index and router_process is not None:
-            raise ValueError("a local index answers a router in the simulator's process only")
         self.profile = profile
         self.policy = policy
         self.index = index if policy == "prefix" else None
@@ -242,7 +250,7 @@ class Simulator:
         names = tuple(w.name for w in self.workers)
         self.router: SimRouter | RouterProcess
         self.local = None
-        if local_index and self.index is not None:
+        if local_index and self.index is not None and router_process is None:
             logs = event_logs(self.index)
             if logs is None:
                 raise ValueError("a local index follows the index's event log: this one has none")
@@ -471,7 +479,8 @@ async def simulate(
         assert redis_url is not None, "the prefix policy needs redis_url"
         index = open_index(redis_url, model, deadline_s=INDEX_DEADLINE_S, settings=settings)
     url = redis_url if index is not None else None
-    where = IndexSpec(url, model, settings, INDEX_DEADLINE_S) if router_process else None
+    follow = EVENT_LOG if options.get("local_index") else 0
+    where = IndexSpec(url, model, settings, INDEX_DEADLINE_S, follow) if router_process else None
     with lookup_clock(None if router_process else url) as redis_time:
         sim = Simulator(profile, num_workers, policy, config, index, redis_time=redis_time,
                         router_process=where, **options)
@@ -514,7 +523,8 @@ async def simulate(
         redis_p99_ms=percentile(redis_ms, 99),
         work_p50_ms=percentile(work_ms := [c + r for c, r in zip(cpu_ms, redis_ms, strict=True)]
                                 if redis_ms else [], 50),
-        work_p99_ms=percentile(work_ms, 99))
+        work_p99_ms=percentile(work_ms, 99),
+        copy_mib=timed.copy_bytes / 2**20, router_rss_mib=timed.max_rss_bytes / 2**20)
 
 
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
@@ -639,11 +649,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--local-index", action="store_true",
                         help="answer the prefix policy's lookups in process, from a follower of "
                         "the index's event log (IndexSettings.event_log), as the request router "
-                        "does when the log is on; caught up before each decision")
+                        "does when the log is on; caught up before each decision (with "
+                        "--router-process, in the router's process, which then reports its "
+                        "peak resident memory)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
-    if args.local_index and args.router_process:
-        parser.error("--local-index answers a router in the simulator's process only")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
         results, trips = runner.run(run_all(args))
     print(table(results))
@@ -651,6 +661,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         if result.policy == "prefix":
             print(result.parts())
             print(result.work())
+            if result.copy_mib:
+                print(result.memory())
     if trips is not None:
         print(trips.line())
     if args.out:
