@@ -21,6 +21,10 @@ import ray.cluster_utils
 
 from prefixserve.cluster.local_redis import LocalRedis, free_port
 
+# Exact parity with transformers is an fp32 matter: dtype auto stays float32 on every CPU, in this
+# process and the Ray workers it starts (workers/cpu_dtype.py).
+os.environ.setdefault("PREFIXSERVE_CPU_DTYPE", "float32")
+
 TLS_PASSWORD = "tls-pw"
 
 # The unit-tier guard. It is set up in the setup hook rather than in an autouse fixture: pytest

@@ -6,9 +6,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig, config_table, leaves
+from prefixserve.workers.cpu_dtype import CPU_DTYPE_ENV, cpu_auto_dtype
+from prefixserve.workers.engine_types import EngineConfig
 
 REDIS = "redis://127.0.0.1:6399/0"
 
@@ -33,6 +36,25 @@ def test_cpu_defaults() -> None:
     assert cfg.workers.cpus == 0.5  # fractional: a 2-core box must fit ingress + 2 workers
     assert cfg.engine.dtype_for("cpu") == "float32"
     assert cfg.engine.block_size == 16
+
+
+def test_auto_dtype_on_a_cpu_follows_what_it_multiplies_natively(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(CPU_DTYPE_ENV, raising=False)
+    native = torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+    dtype, why = cpu_auto_dtype()
+    assert dtype == ("bfloat16" if native else "float32")
+    assert ("AMX" in why or "AVX512-BF16" in why)
+    assert EngineConfig().dtype_for("cpu") == dtype
+    assert EngineConfig(dtype="float32").dtype_for("cpu") == "float32"
+    monkeypatch.setenv(CPU_DTYPE_ENV, "bfloat16")
+    assert cpu_auto_dtype() == ("bfloat16", f"{CPU_DTYPE_ENV}=bfloat16")
+    assert EngineConfig().dtype_for("cpu") == "bfloat16"
+    assert EngineConfig().dtype_for("cuda") == "bfloat16"
+    monkeypatch.setenv(CPU_DTYPE_ENV, "int8")
+    with pytest.raises(ValueError, match="float32, bfloat16"):
+        EngineConfig().dtype_for("cpu")
 
 
 def test_gpu_derivations() -> None:

@@ -6,6 +6,7 @@ has: batching, prefix hits, chunked prefill, preemption, copy-on-write forks.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -479,3 +480,30 @@ def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
     text = caplog.text
     assert "512 bytes/token" in text and "10 blocks of 4 = 40 tokens" in text
     assert "GQA saves 2x over MHA (4/2 heads)" in text
+
+
+def test_bfloat16_agrees_with_transformers_in_bfloat16(llama) -> None:
+    """The low-precision referee, as vLLM compares such runs: over fixed prompts, the engine's
+    greedy tokens in bf16 are transformers' bf16 top-1 (teacher-forced on the engine's tokens),
+    and their logprobs are close; exactness stays an fp32 matter."""
+    path, model = llama
+    eng = engine(path, dtype="bfloat16")
+    assert eng.kv_cache.dtype == torch.bfloat16
+    hf = copy.deepcopy(model).to(torch.bfloat16)
+    batch = prompts(5, 12, 24, 40, start=11)
+    results = eng.generate(batch, SamplingParams(max_tokens=12, temperature=0, logprobs=1,
+                                                 ignore_eos=True))
+    agree, gaps = [], []
+    for p, r in zip(batch, results, strict=True):
+        sample = r.samples[0]
+        ids = torch.tensor([p + sample.token_ids])
+        with torch.no_grad():
+            logits = hf(ids).logits[0, len(p) - 1 : -1].float()
+        hf_lp = torch.log_softmax(logits, dim=-1)
+        for k, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+            agree.append(int(hf_lp[k].argmax()) == tok)
+            # where they differ, it is a near-tie in transformers' own bf16 numbers
+            assert float(hf_lp[k].max() - hf_lp[k, tok]) < 0.1
+            gaps.append(abs(float(hf_lp[k, tok]) - lp.logprob))
+    assert sum(agree) / len(agree) >= 0.9
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03

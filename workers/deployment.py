@@ -47,6 +47,7 @@ from prefixserve.router.publisher import EventPublisher
 from prefixserve.router.request import GenerateRequest, TokenDelta
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.router.secret_refs import resolve
+from prefixserve.workers import placement
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_loop import (
     NOTHING,
@@ -60,7 +61,6 @@ from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.index_truth import IndexTruth
 from prefixserve.workers.model_sources import model_source
-from prefixserve.workers.placement import device_for, node_id, replica_id, rss_bytes
 from prefixserve.workers.structured import compile_in_thread
 from prefixserve.workers.worker_metrics import WorkerMetrics
 
@@ -110,7 +110,7 @@ class LLMWorker:
         if stream_interval < 1 or drain_timeout_s < 0 or stall_timeout_s <= 0 or keepalive_s <= 0:
             raise ValueError("stream_interval must be >= 1, drain_timeout_s >= 0, "
                              "stall_timeout_s and keepalive_s > 0")
-        self.replica_id = replica_id()
+        self.replica_id = placement.replica_id()
         self.model_name = model_name
         self._stream_interval = stream_interval
         self._ids = itertools.count()
@@ -127,9 +127,11 @@ class LLMWorker:
 
         index_url = resolve(redis_url) if redis_url else None  # fails before loading anything
         config = EngineConfig.model_validate(engine)
-        config = config.model_copy(update={"device": device_for(config.device)})
+        config = config.model_copy(update={"device": placement.device_for(config.device)})
         index = IndexSettings.model_validate(index or {})
         self._loop = asyncio.get_running_loop()
+        if config.device == "cpu":
+            log.info("%d torch threads: the replica's CPUs", placement.use_replica_cpus())
         self.engine = await asyncio.to_thread(
             model_source(model).load_engine, model, config, self._on_kv_events
         )
@@ -150,7 +152,7 @@ class LLMWorker:
                 fingerprint=self.fingerprint,
                 snapshot=self._snapshot,
                 load=self.load,
-                node=node_id(),
+                node=placement.node_id(),
                 heartbeat_interval_s=heartbeat_interval_s,
                 # A dead replica's entries go soon after its lease lapses, not 30 s later.
                 gc_interval_s=min(30.0, max(1.0, index.lease_ttl_s)),
@@ -245,7 +247,7 @@ class LLMWorker:
             "publisher": asdict(self._publisher.stats) if self._publisher else None,
             "index_synced": bool(self._publisher and not self._publisher.dirty),
             "index_truth": {"judged": self._truth.judged, "off": dict(self._truth.off)},
-            "rss_bytes": rss_bytes(),
+            "rss_bytes": placement.rss_bytes(),
             "max_model_len": self.engine.max_model_len,
         }
 

@@ -20,6 +20,7 @@ from prefixserve.router.adapters import adapter_name
 from prefixserve.router.events import KVEvent
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import checkpoint_fingerprint
+from prefixserve.workers.cpu_dtype import cpu_auto_dtype
 from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max_model_len
 from prefixserve.workers.engine_types import (
     EngineConfig,
@@ -60,8 +61,10 @@ class LLMEngine(EngineCore):
     ) -> None:
         mc = model.config
         check_max_model_len(config.max_model_len, mc.max_model_len)
-        device = next(model.parameters()).device
-        self.dtype = config.dtype_for(device.type)
+        weight = next(model.parameters())
+        device = weight.device
+        # the KV cache in the weights' dtype, whatever built them (from_pretrained: the config's)
+        self.dtype = str(weight.dtype).removeprefix("torch.")
         per_token = kv_bytes_per_token(mc, self.dtype)
         num_blocks = config.num_blocks or blocks_for_budget(
             config.kv_cache_memory_bytes, per_token, config.block_size, device,
@@ -92,7 +95,10 @@ class LLMEngine(EngineCore):
         device = resolve_device(config.device)
         if device.type == "cpu":
             keep_cpu_heap()
-        model = load_model(path, config.dtype_for(device.type), device)
+        dtype = config.dtype_for(device.type)
+        if config.dtype == "auto" and device.type == "cpu":
+            log.info("dtype auto: %s, as %s", dtype, cpu_auto_dtype()[1])
+        model = load_model(path, dtype, device)
         fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
         tokenizer = Path(path) if (Path(path) / "tokenizer.json").is_file() else None
         engine = cls(model, config, fingerprint, on_kv_events, tokenizer)

@@ -15,6 +15,7 @@ from prefixserve.router.adapters import CONFIG_FILE, WEIGHTS_FILE
 from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
 from prefixserve.router.events import WorkerLoad
 from prefixserve.router.request import TokenLogprob
+from prefixserve.workers.cpu_dtype import cpu_auto_dtype
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
@@ -48,7 +49,8 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Context length (prompt + output), at most the KV cache's; "
         "default: the model's, capped to the KV cache")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU, float32 on CPU")
+        "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU and on CPUs with "
+        "AMX or AVX512-BF16, float32 on other CPUs")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
     max_lora_rank: int = Field(16, ge=1, description="Largest rank of a LoRA adapter the "
                                "engine takes (vLLM's --max-lora-rank)")
@@ -109,11 +111,11 @@ class EngineConfig(BaseModel):
         return self
 
     def dtype_for(self, device_type: str) -> str:
-        """The concrete dtype on a device: bf16 matmuls are ~40x slower than fp32 on CPUs
-        without AVX-512/AMX, so auto means float32 there."""
+        """The concrete dtype on a device: auto is bfloat16 on GPU, and on a CPU what
+        :func:`workers.cpu_dtype.cpu_auto_dtype` finds it runs fast."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if device_type == "cuda" else "float32"
+        return "bfloat16" if device_type == "cuda" else cpu_auto_dtype()[0]
 
 
 @dataclass

@@ -46,3 +46,19 @@ def device_for(requested: str) -> str:
     if in_actor and not ray.get_gpu_ids():
         return "cpu"  # a GPU visible to a replica that did not ask for one is someone else's
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def use_replica_cpus() -> int:
+    """Size torch's CPU thread pool to the cores Ray gave this replica (at least one; outside
+    Ray, left as torch found it), so that replicas sharing a node do not oversubscribe it;
+    returns the threads in use."""
+    import torch
+
+    try:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") \
+            if ray.is_initialized() else None
+    except Exception:  # not in a Ray worker
+        cpus = None
+    if cpus is not None:
+        torch.set_num_threads(max(1, int(cpus)))
+    return torch.get_num_threads()

@@ -1,0 +1,219 @@
+"""Where an engine step's time goes, against the floor the weights set.
+
+    python -m prefixserve.bench.micro.step_profile                       # fp32, 1 thread
+    python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
+
+One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
+(greedy, EOS ignored); then ``--batch`` sizes decode together. Each step is timed as it runs
+(the tok/s figures). Then one decode and one prefill step of a single stream run with every
+part of the step wrapped in a timer, each part's own time (its inner parts' taken out): the
+matmuls of the layers (q/k/v, o, gate/up, down), the LM head, attention (the backend), the rest
+of the attention layer (RoPE, views), the MLP's activation, the norms, the rest of the model
+(embedding, RoPE angles, the layer loop), the attention metadata, sampling, scheduling, and
+the rest of the engine's step. All but the matmuls, the LM head and attention is the step's
+host overhead.
+
+The floor: a decode step reads every weight once (the embedding table only by row, unless the
+LM head shares it), so its time is at least those bytes over the machine's memory bandwidth,
+measured here as one thread summing a buffer larger than the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+
+HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
+        "sampling", "scheduling", "engine other")
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def read_bandwidth_gb_s(mib: int = 512, reps: int = 5) -> float:
+    """One thread's read bandwidth over a buffer far larger than the caches (a sum reads every
+    byte once): what streaming the weights can reach."""
+    buf = torch.ones(mib << 18, dtype=torch.float32)
+    buf.sum()
+    best = min(_timed(buf.sum) for _ in range(reps))
+    return buf.nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def weight_bytes(engine: LLMEngine) -> int:
+    """Bytes a decode step reads: every parameter, less the embedding table (read by row)
+    unless the LM head is the same tensor."""
+    model = engine.model
+    embed = model.embed_tokens.weight
+    tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    return total
+
+
+class Parts:
+    """Wraps callables in timers that charge each call's own time (its wrapped callees' taken
+    out) to a part of the step."""
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = defaultdict(float)
+        self._inner: list[float] = []  # per open call: the seconds its wrapped callees took
+
+    def wrap(self, owner: object, attr: str, part: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            self._inner.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                took = time.perf_counter() - start
+                self.ms[part] += (took - self._inner.pop()) * 1000
+                if self._inner:
+                    self._inner[-1] += took
+
+        setattr(owner, attr, timed)
+
+
+def instrument(engine: LLMEngine) -> Parts:
+    """Every part of ``engine``'s step wrapped (instance attributes: the engine is this
+    script's own)."""
+    parts, model = Parts(), engine.model
+    parts.wrap(engine, "step", "engine other")
+    parts.wrap(engine.scheduler, "schedule", "scheduling")
+    parts.wrap(engine.runner, "prepare", "metadata")
+    parts.wrap(engine.sampler, "sample", "sampling")
+    parts.wrap(model, "forward", "model other")
+    parts.wrap(model.attention, "forward", "attention")
+    parts.wrap(model.lm_head, "forward", "lm_head")
+    parts.wrap(model.norm, "forward", "norms")
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        parts.wrap(attn, "forward", "attention layer other")
+        parts.wrap(mlp, "forward", "mlp activation")
+        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            parts.wrap(linear, "forward", "matmuls")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            parts.wrap(norm, "forward", "norms")
+    return parts
+
+
+def profile_step(engine: LLMEngine, parts: Parts) -> dict[str, float]:
+    """One engine step, timed by part (ms), with the host overhead summed."""
+    parts.ms.clear()
+    start = time.perf_counter()
+    engine.step()
+    out = dict(parts.ms)
+    out["step"] = (time.perf_counter() - start) * 1000
+    out["host overhead"] = sum(out.get(k, 0.0) for k in HOST)
+    out["host share"] = out["host overhead"] / out["step"]
+    return out
+
+
+def decode_steps(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: int,
+                 rng: random.Random) -> tuple[float, float, list[float]]:
+    """Prefill ``batch`` prompts, then time ``steps`` decode steps: (prefill s, median decode
+    step s, every decode step's s)."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}-{rng.random()}",
+                           [rng.randrange(100, vocab) for _ in range(prompt)], params)
+    start = time.perf_counter()
+    engine.step()  # the whole batch's prefill (max_num_batched_tokens fits it)
+    prefill = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    while engine.has_unfinished():
+        engine.step()
+    return prefill, statistics.median(times), times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--decode", type=int, default=128)
+    p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batch.split(",")]
+    tokens = max(batches) * args.prompt
+    config = EngineConfig(dtype=args.dtype, max_num_seqs=max(batches),
+                          max_num_batched_tokens=max(tokens, 2048), enable_prefix_caching=False,
+                          num_blocks=max(batches) * (args.prompt + args.decode + 32) // 16 + 64)
+    engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), config)
+    vocab = engine.model_config.vocab_size
+    rng = random.Random(args.seed)
+    bw = read_bandwidth_gb_s()
+    weights = weight_bytes(engine)
+    floor_s = weights / (bw * 1e9)
+    out: dict = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype,
+                 "read_bandwidth_gb_s": round(bw, 1), "weight_bytes_per_step": weights,
+                 "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}
+    print(json.dumps({k: v for k, v in out.items() if k != "batches"}), flush=True)
+    decode_steps(engine, 1, 64, 4, vocab, rng)  # warm up
+    for batch in batches:
+        prefill, step, _ = decode_steps(engine, batch, args.prompt, args.decode, vocab, rng)
+        row = {"batch": batch, "prefill_tok_s": round(batch * args.prompt / prefill, 1),
+               "decode_step_ms": round(step * 1000, 2),
+               "decode_tok_s": round(batch / step, 1),
+               "step_over_floor": round(step / floor_s, 2)}
+        out["batches"].append(row)
+        print(json.dumps(row), flush=True)
+    # one timed decode step and one timed prefill step of a single stream, by part
+    parts = instrument(engine)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("profiled", [rng.randrange(100, vocab) for _ in range(args.prompt)],
+                       params)
+    prefill = profile_step(engine, parts)
+    engine.step()
+    decode = profile_step(engine, parts)
+    while engine.has_unfinished():
+        engine.step()
+    for name, by_part in (("decode", decode), ("prefill", prefill)):
+        by_part = {k: round(v, 3) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])}
+        out[f"{name}_parts_ms"] = by_part
+        print(json.dumps({f"{name}_parts_ms": by_part}), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+
+if __name__ == "__main__":
+    main()
