@@ -22,7 +22,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefixserve.router.blocks import DIGEST_BYTES, Chain
@@ -56,6 +56,11 @@ def event_logs(index: PrefixIndex) -> list[EventLog] | None:
     return logs if len(logs) == len(stores) else None
 
 
+def logged_at(entry_id: bytes) -> float:
+    """When a stream entry was logged (epoch seconds): Redis names it ``<ms>-<seq>``."""
+    return int(entry_id.partition(b"-")[0]) / 1000
+
+
 @dataclass
 class _Cursor:
     """Where one log's follower stands."""
@@ -78,8 +83,12 @@ class IndexFollower:
         loads_every_s: float = 0.05,
         live_every_s: float = 1.0,
         retry_s: float = 1.0,
+        on_lag: Callable[[float], None] | None = None,
     ) -> None:
+        """``on_lag(seconds)``: per read, how long its oldest entry waited in the log (the
+        store's clock when it was logged to this host's when it was applied)."""
         self._index, self._logs, self._log_entries = index, logs, log_entries
+        self._on_lag = on_lag
         self._cursors = [_Cursor() for _ in logs]
         self._loads_every_s, self._live_every_s, self._retry_s = (
             loads_every_s, live_every_s, retry_s)
@@ -193,6 +202,8 @@ class IndexFollower:
                 break
             self._take(group * GROUP_SPAN + entry.worker_id, entry)
             cursor.after, cursor.number = entry.entry_id, entry.number
+        if entries and self._on_lag is not None:
+            self._on_lag(max(0.0, time.time() - logged_at(entries[0].entry_id)))
         return len(entries)
 
     def _take(self, worker_id: int, entry: LogEntry) -> None:

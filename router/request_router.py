@@ -71,6 +71,7 @@ logger = logging.getLogger("ray.serve")
 _LATENCY_BUCKETS_S = [0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1,
                       0.25]
 _DEPTH_BUCKETS = [0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_LAG_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
 
 class PrefixAwareRequestRouter(ServeRequestRouter):
@@ -131,6 +132,13 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             description="Index lookups by where they were asked: local (this router's copy, "
             "following the index's event log) or index (a round trip, which may fail open).",
             tag_keys=(*keys, "source"),
+        ).set_default_tags(tags)
+        self._follower_lag = metrics.Histogram(
+            "prefixserve_router_follower_lag_seconds",
+            description="How long KV events waited in the index's event log before this "
+            "router's copy applied them (per read, its oldest entry).",
+            boundaries=_LAG_BUCKETS_S,
+            tag_keys=keys,
         ).set_default_tags(tags)
         self._partial = metrics.Counter(
             "prefixserve_router_partial_lookups",
@@ -227,7 +235,8 @@ class PrefixAwareRequestRouter(ServeRequestRouter):
             logs = event_logs(index) if self._index_settings.event_log else None
             if logs is not None:
                 source.follower = IndexFollower(index, logs,
-                                                log_entries=self._index_settings.event_log)
+                                                log_entries=self._index_settings.event_log,
+                                                on_lag=self._follower_lag.observe)
                 self._spawn(_follow_while_ray_runs(source.follower))
         return source.index
 

@@ -22,7 +22,7 @@ from prefixserve.router.index import (
     PrefixIndex,
     ResultCode,
 )
-from prefixserve.router.index_follower import IndexFollower, event_logs
+from prefixserve.router.index_follower import IndexFollower, event_logs, logged_at
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.redis_records import key_tag
 
@@ -142,11 +142,14 @@ async def test_the_index_keeps_a_log_only_once_a_router_follows_it(
         await index.resync(w1, 1, a, 0)
         await index.apply(EventBatch(w1, 1, 1, (BlockStored(tuple(b)),)))
         assert not raw.exists(stream)  # nobody follows: the workers' writes cost no log
-        follower = follower_of(index)
+        lags: list[float] = []
+        follower = follower_of(index, on_lag=lags.append)
         await follower.catch_up()
         await index.apply(EventBatch(w1, 1, 2, (BlockRemoved(tuple(a[6:])),)))
         assert raw.xlen(stream) == 1
+        await asyncio.sleep(0.3)  # the entry waits in the log before the router reads it
         await follower.catch_up()
+        assert len(lags) == 1 and 0.3 <= lags[0] < 30
         assert depths(follower.lookup(Chain.of(a))) == {"one": (6, 6)}
         assert depths(follower.lookup(Chain.of(b))) == {"one": (12, 12)}
     finally:
@@ -320,3 +323,7 @@ async def test_a_cancelled_follower_stops_even_when_the_store_turns_the_cancel_i
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=2.0)
     assert task in done and task.cancelled(), "the follower kept running after its cancel"
+
+
+def test_an_entry_is_dated_by_its_stream_id() -> None:
+    assert logged_at(b"1733300000123-4") == pytest.approx(1733300000.123)
