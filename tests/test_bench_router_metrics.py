@@ -111,6 +111,9 @@ def truth_exposition(judged: int, off: dict[str, int], lag: dict[str, int]) -> s
                          f"{n * share}.0")
         lines.append(f"ray_prefixserve_index_event_lag_seconds_count{{{tags}}} "
                      f"{lag['+Inf'] * share}.0")
+    for le, n in lag.items():  # the router's copy (one process, no worker tags)
+        lines.append(f'ray_prefixserve_router_follower_lag_seconds_bucket{{le="{le}"}} {n}.0')
+    lines.append(f"ray_prefixserve_router_follower_lag_seconds_count {lag['+Inf']}.0")
     return "\n".join(lines) + "\n"
 
 
@@ -124,6 +127,7 @@ def test_index_truth_is_the_difference_of_two_scrapes_per_cause() -> None:
             figures["index_off_serve"]) == (2, 1, 0)
     assert figures["median_index_lag_ms"] == pytest.approx(10.0)
     assert 90.0 < figures["p99_index_lag_ms"] <= 100.0
+    assert figures["median_follower_lag_ms"] == pytest.approx(10.0)
     assert index_truth(after, after) == {}  # nothing judged, no lag observed
     table = format_side_by_side({"prefix": figures})
     assert "Index off by > 1 block (share)" in table and "0.0150" in table

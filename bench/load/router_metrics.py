@@ -12,8 +12,8 @@ power-of-two router does not observe this histogram, so pow2 runs get no routing
 The figures are reported in milliseconds.
 
 The same scrapes give how true the index was (workers/index_truth.py, exported by the workers):
-the requests judged, the share off by more than one block and the count per cause, and the KV
-event lag to the index (p50, p99).
+the requests judged, the share off by more than one block and the count per cause, the KV
+event lag to the index (p50, p99), and (the router's) from the index's event log to its copy.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ METRIC = "ray_prefixserve_router_latency_seconds"
 INDEX_ERROR = "ray_prefixserve_index_error_blocks"
 INDEX_OFF = "ray_prefixserve_index_mispredicted_total"
 INDEX_LAG = "ray_prefixserve_index_event_lag_seconds"
-CAUSES = ("failopen", "serve", "evicted", "never_stored", "not_indexed")
+FOLLOWER_LAG = "ray_prefixserve_router_follower_lag_seconds"
+CAUSES = ("failopen", "partial", "serve", "evicted", "never_stored", "not_indexed")
 _CAUSE = re.compile(r'cause="([^"]+)"')
 REPORT_INTERVAL_MS = 2000      # Ray's metrics_report_interval_ms while measuring (default 10 s)
 _LE = re.compile(r'le="([^"]+)"')
@@ -100,12 +101,13 @@ def index_truth(before: str, after: str) -> dict[str, Any]:
     """How true the index was between two scrapes; {} when no request was judged (a router
     that sends no expectation, or no index)."""
     judged = parse(after, INDEX_ERROR).minus(parse(before, INDEX_ERROR)).count
-    lag = parse(after, INDEX_LAG).minus(parse(before, INDEX_LAG))
     out: dict[str, Any] = {}
-    if lag.count > 0:
-        for key, q in (("median_index_lag_ms", 0.5), ("p99_index_lag_ms", 0.99)):
-            value = lag.quantile(q)
-            out[key] = None if value is None else 1000 * value
+    for name, series in (("index", INDEX_LAG), ("follower", FOLLOWER_LAG)):
+        lag = parse(after, series).minus(parse(before, series))
+        if lag.count > 0:
+            for key, q in ((f"median_{name}_lag_ms", 0.5), (f"p99_{name}_lag_ms", 0.99)):
+                value = lag.quantile(q)
+                out[key] = None if value is None else 1000 * value
     if judged <= 0:
         return out
     was, now = causes(before), causes(after)
