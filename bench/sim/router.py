@@ -18,7 +18,6 @@ import gc
 import itertools
 import multiprocessing
 import random
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -231,6 +230,16 @@ class RouterProcess:
         self._conn.close()
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started its program (VmHWM; not
+    ru_maxrss, which a spawned child inherits from the fork it was exec'ed from)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def _child(conn: Connection, spec: RouterSpec) -> None:
     uvloop.run(_serve(conn, spec))  # as Ray runs Serve's
 
@@ -281,9 +290,7 @@ async def _answer(conn: Connection, router: SimRouter) -> None:
                     gc.collect(1)
             else:
                 await router.close()
-                # ru_maxrss is in KiB on Linux
-                router.timings.max_rss_bytes = resource.getrusage(
-                    resource.RUSAGE_SELF).ru_maxrss * 1024
+                router.timings.max_rss_bytes = peak_rss_bytes()
                 conn.send(router.timings)
                 return
         except Exception as exc:  # the simulator re-raises it
