@@ -148,7 +148,11 @@ def _cached(confirmed: np.ndarray, predicted: np.ndarray, num_prompt_tokens: int
 
 def reference_prefill_rate(loads: Sequence[WorkerLoad | None], config: PolicyConfig) -> float:
     """Mean measured prefill rate, or the default when no worker has measured one."""
-    rates = [load.prefill_tokens_per_s for load in loads if load and load.prefill_tokens_per_s]
+    return _mean_rate(load_rows(loads)[:, 0], config)
+
+
+def _mean_rate(prefill_rates: np.ndarray, config: PolicyConfig) -> float:
+    rates = prefill_rates[prefill_rates != 0].tolist()  # in order: the same float sum
     return sum(rates) / len(rates) if rates else config.default_prefill_tokens_per_s
 
 
@@ -161,6 +165,36 @@ _LOAD_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "queued_prefill_t
                 "num_running", "kv_empty_blocks", "num_waiting", "busy_share",
                 "kv_total_blocks")
 _LOAD_COLUMNS = attrgetter(*_LOAD_FIELDS)
+
+
+def load_rows(loads: Sequence[WorkerLoad | None]) -> np.ndarray:
+    """The cost model's load fields, one float row per worker (a worker without a load reads
+    as unreported)."""
+    table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in loads], dtype=float)
+    return table.reshape(len(loads), len(_LOAD_FIELDS))  # zero rows for no workers
+
+
+class LoadRows:
+    """:func:`load_rows` for one router's successive decisions: only the rows of workers whose
+    load object changed since the last decision are read again (loads are immutable, and a
+    decision sees most of the fleet's as the last one did: at 1,000 workers reading every row
+    cost a quarter of a decision)."""
+
+    def __init__(self) -> None:
+        self._loads: list[WorkerLoad | None] = []  # kept: their ids stay theirs
+        self._rows = load_rows(())
+
+    def of(self, loads: Sequence[WorkerLoad | None]) -> np.ndarray:
+        """The rows of ``loads`` (the kept array: read only)."""
+        if len(loads) != len(self._loads):
+            self._rows = load_rows(loads)
+        else:
+            rows = self._rows
+            for i, (new, old) in enumerate(zip(loads, self._loads, strict=True)):
+                if new is not old:
+                    rows[i] = _LOAD_COLUMNS(new or _UNREPORTED)
+        self._loads = list(loads)
+        return self._rows
 
 
 @dataclass(slots=True)
@@ -180,6 +214,8 @@ class Fleet:
     # seconds to make the request's LoRA adapter usable there (router.adapter_slots); empty:
     # the base model
     adapter_s: Sequence[float] = ()
+    # load_rows(loads), when the caller keeps them (LoadRows); None: read from loads
+    rows: np.ndarray | None = None
 
     @classmethod
     def of_rows(cls, rows: Sequence[tuple[str, int, int, WorkerLoad | None, int, int, int]],
@@ -235,11 +271,11 @@ class _Costs:
                        self.depth[order].tolist(), self.new_tokens[order].tolist())
 
 
-def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate: float) -> _Costs:
-    """Every worker's cost as arrays over the fleet: a router scores every replica on every
-    decision, and one interpreted pass per worker cost ~6 ms a decision at 1,000 workers."""
-    table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in fleet.loads], dtype=float)
-    table = table.reshape(len(fleet.loads), len(_LOAD_FIELDS))  # zero rows for no workers
+def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: PolicyConfig,
+           ref_rate: float) -> _Costs:
+    """Every worker's cost as arrays over the fleet (``table``: its load rows): a router scores
+    every replica on every decision, and one interpreted pass per worker cost ~6 ms a decision
+    at 1,000 workers."""
     prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total = (
         table.T)
     confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
@@ -251,9 +287,9 @@ def _costs(fleet: Fleet, num_prompt_tokens: int, config: PolicyConfig, ref_rate:
     pending = np.array(fleet.pending_requests)
     queued = reported_queue + fleet.pending_tokens
     running = np.maximum(reported_running + pending, fleet.queue_len)
-    empty *= config.block_size
+    empty = empty * config.block_size  # not in place: the rows may be the caller's
     room = np.maximum(0, empty - queued)  # queued work fills first
-    total *= config.block_size
+    total = total * config.block_size
     fill = 1.0 - np.minimum(room, total) / np.maximum(total, 1.0)  # unknown size: a full pool
     cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
     cost += config.eviction_weight * uncached * fill / ref_rate
@@ -270,7 +306,8 @@ def score(
     view: WorkerView, num_prompt_tokens: int, config: PolicyConfig, ref_rate: float
 ) -> Score:
     """One worker's cost (what :func:`rank` computes for all of them at once)."""
-    return _costs(Fleet.of([view]), num_prompt_tokens, config, ref_rate).ranking(
+    fleet = Fleet.of([view])
+    return _costs(fleet, load_rows(fleet.loads), num_prompt_tokens, config, ref_rate).ranking(
         [view.key], np.arange(1))[0]
 
 
@@ -278,6 +315,13 @@ def score(
 def _worker_hash(worker_key: str) -> int:
     """A worker key's 64 bits for :func:`rendezvous` (cached: a decision needs every worker's)."""
     return int.from_bytes(hashlib.blake2b(worker_key.encode(), digest_size=8).digest(), "big")
+
+
+@lru_cache(maxsize=16)
+def _worker_hashes(worker_keys: tuple[str, ...]) -> np.ndarray:
+    """Every worker key's 64 bits (cached: a router's candidates are the same replicas decision
+    after decision). Read only."""
+    return np.array([_worker_hash(k) for k in worker_keys], dtype=np.uint64)
 
 
 _M1, _M2, _33 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(33)
@@ -288,7 +332,7 @@ def _rendezvous(tie_key: bytes, worker_keys: Sequence[str]) -> np.ndarray:
     worker's, through MurmurHash3's 64-bit finalizer (a bijection that spreads every input bit
     over the output), so a tie among 1,000 idle workers costs no hash call per worker."""
     tie = int.from_bytes(hashlib.blake2b(tie_key, digest_size=8).digest(), "big")
-    z = np.array([_worker_hash(k) for k in worker_keys], dtype=np.uint64) ^ np.uint64(tie)
+    z = _worker_hashes(tuple(worker_keys)) ^ np.uint64(tie)
     z ^= z >> _33
     z *= _M1
     z ^= z >> _33
@@ -313,7 +357,8 @@ def rank(
     if num_prompt_tokens < 1:
         raise ValueError("a request has at least one prompt token")
     fleet = workers if isinstance(workers, Fleet) else Fleet.of(workers)
-    costs = _costs(fleet, num_prompt_tokens, config, reference_prefill_rate(fleet.loads, config))
+    rows = load_rows(fleet.loads) if fleet.rows is None else fleet.rows
+    costs = _costs(fleet, rows, num_prompt_tokens, config, _mean_rate(rows[:, 0], config))
     cost = costs.cost
     # Tied workers rank by depth, busy share, hash, not cost: load noise must not flip it. A cost
     # is positive (the last prompt token is always computed), so 0.0 puts the tied first.

@@ -37,7 +37,7 @@ from prefixserve.router.events import WorkerLoad
 from prefixserve.router.in_flight import InFlight, Routed
 from prefixserve.router.index import IndexSettings, LookupResult
 from prefixserve.router.index_gate import IndexGate
-from prefixserve.router.policy import Fleet, Ranking, rank
+from prefixserve.router.policy import Fleet, LoadRows, Ranking, rank
 from prefixserve.router.predictions import LocalPredictions
 from prefixserve.router.request import Expected
 from prefixserve.router.router_settings import RouterSettings
@@ -64,6 +64,7 @@ class RouterState:
         self.contexts: dict[int, RequestContext] = {}
         self.routed = InFlight()
         self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
+        self.load_rows = LoadRows()  # the cost model's load table, kept between decisions
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
         self.adapters = AdapterSlots()  # which LoRA adapters each worker holds in its slots
         run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
@@ -174,7 +175,7 @@ class RouterState:
             ctx.adapter, [(c.key, c.routing_stats) for c in candidates], now,
             self.settings.weights.adapter_miss_s)
         fleet = Fleet(keys, confirmed, predicted, loads, tokens, count,
-                      [c.queue_len or 0 for c in candidates], adapter_s)
+                      [c.queue_len or 0 for c in candidates], adapter_s, self.load_rows.of(loads))
         deepest = max(max(confirmed, default=0), max(predicted, default=0))
         ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
                        tie_key(ctx, deepest))
