@@ -72,6 +72,7 @@ def test_weight_fields_carry_default_and_description() -> None:
         ({"uncached_weight": 0.99}, BAD_WEIGHTS),
         ({"decode_weight": -0.01}, BAD_WEIGHTS),
         ({"eviction_weight": -0.01}, BAD_WEIGHTS),
+        ({"adapter_miss_s": -0.01}, "adapter_miss_s must be >= 0"),
     ],
 )
 def test_config_rejects_out_of_range(fields_: dict[str, float], message: str) -> None:
@@ -89,6 +90,7 @@ def test_config_rejects_out_of_range(fields_: dict[str, float], message: str) ->
         {"predicted_credit": 1.0},
         {"uncached_weight": 1.0, "decode_weight": 0.0, "eviction_weight": 0.0},
         {"uncached_weight": 1.5, "decode_weight": 0.5},
+        {"adapter_miss_s": 0.0},
     ],
 )
 def test_config_accepts_the_bounds(fields_: dict[str, float]) -> None:
