@@ -26,12 +26,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefixserve.workers.index_truth import CAUSES
+
 METRIC = "ray_prefixserve_router_latency_seconds"
 INDEX_ERROR = "ray_prefixserve_index_error_blocks"
 INDEX_OFF = "ray_prefixserve_index_mispredicted_total"
 INDEX_LAG = "ray_prefixserve_index_event_lag_seconds"
 FOLLOWER_LAG = "ray_prefixserve_router_follower_lag_seconds"
-CAUSES = ("failopen", "partial", "serve", "evicted", "never_stored", "not_indexed")
 _CAUSE = re.compile(r'cause="([^"]+)"')
 REPORT_INTERVAL_MS = 2000      # Ray's metrics_report_interval_ms while measuring (default 10 s)
 _LE = re.compile(r'le="([^"]+)"')

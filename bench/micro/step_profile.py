@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from prefixserve.bench.load.machine import cpu_name
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
@@ -38,17 +38,6 @@ from prefixserve.workers.engine_types import EngineConfig
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
         "sampling", "scheduling", "engine other")
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def read_bandwidth_gb_s(mib: int = 512, reps: int = 5) -> float:
