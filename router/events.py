@@ -26,16 +26,26 @@ class EventDecodeError(ValueError):
     """A payload that is not a well-formed load record."""
 
 
+# Where a worker holds a cached block, best first (vLLM's KV events call it the medium): its
+# engine's pool, or a tier below it (workers/kv_tiers).
+DEVICE, HOST, DISK = "device", "host", "disk"
+MEDIA = (DEVICE, HOST, DISK)
+_STORE_OPS = {DEVICE: b"S", HOST: b"H", DISK: b"D"}
+_MEDIUM_OF_OP = {op: medium for medium, op in _STORE_OPS.items()}
+
+
 @dataclass(frozen=True)
 class BlockStored:
-    """Blocks that became cached (hash registered), in chain order."""
+    """Blocks that became cached (hash registered), in chain order, or that moved to
+    ``medium``, now the best tier the worker holds them in."""
 
     hashes: tuple[bytes, ...]
+    medium: str = DEVICE
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
-    """Cached blocks that were evicted."""
+    """Cached blocks the worker no longer holds in any tier."""
 
     hashes: tuple[bytes, ...]
 
@@ -86,12 +96,13 @@ _OP_HEAD = struct.Struct(">cI")  # an op stream's record: op, digest count
 def encode_events(events: Sequence[KVEvent]) -> bytes:
     """The op stream of a batch: per event ``op | u32 BE count | count x 16-byte digest``.
 
-    ``op`` is ``S`` (stored), ``R`` (removed) or ``C`` (cleared, count 0).
+    ``op`` is ``S``, ``H`` or ``D`` (stored, best held in the device pool, host memory or on
+    disk), ``R`` (removed) or ``C`` (cleared, count 0).
     """
     parts = []
     for event in events:
         if isinstance(event, BlockStored):
-            op, hashes = b"S", event.hashes
+            op, hashes = _STORE_OPS[event.medium], event.hashes
         elif isinstance(event, BlockRemoved):
             op, hashes = b"R", event.hashes
         elif isinstance(event, AllBlocksCleared):
@@ -116,8 +127,8 @@ def decode_events(ops: bytes) -> list[KVEvent]:
         if pos > len(ops):
             raise EventDecodeError(f"op stream cut short: {count} digests need {pos} bytes")
         hashes = tuple(ops[k : k + DIGEST_BYTES] for k in range(start, pos, DIGEST_BYTES))
-        if op == b"S":
-            events.append(BlockStored(hashes))
+        if op in _MEDIUM_OF_OP:
+            events.append(BlockStored(hashes, _MEDIUM_OF_OP[op]))
         elif op == b"R":
             events.append(BlockRemoved(hashes))
         elif op == b"C" and not count:

@@ -37,6 +37,7 @@ from prefixserve.workers.kv_tensor import (
     kv_bytes_per_token,
     log_kv_budget,
 )
+from prefixserve.workers.kv_tiers.build import build_tiers
 from prefixserve.workers.logits_processors import TokenHistory, needs_history
 from prefixserve.workers.lora import AdapterError, LoRAAdapter, load_adapter
 from prefixserve.workers.lora_store import AdapterRef, LoRAStore
@@ -76,6 +77,9 @@ class LLMEngine(EngineCore):
         self.model_config = mc
         self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
         self.runner = ModelRunner(model, self.kv_cache, self.block_size)
+        tiers = build_tiers(config, self.kv, self.kv_cache, model_fingerprint)
+        if tiers is not None:
+            self.attach_tiers(tiers)
         self.lora_store = LoRAStore(self._read_lora, self._adapters_in_use, device,
                                     config.max_loras, config.max_cpu_loras or config.max_loras)
         self.sampler = Sampler()

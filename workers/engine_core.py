@@ -14,7 +14,7 @@ import copy
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.router import blocks
 from prefixserve.router.adapters import adapter_fingerprint, adapter_name
@@ -34,6 +34,9 @@ from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tensor import fit_max_model_len
 from prefixserve.workers.request_checks import checked_request
 from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
+
+if TYPE_CHECKING:
+    from prefixserve.workers.kv_tiers.offload import TieredKV
 
 # One appended token: the sample, its token id and (real engine, when asked) its logprob.
 Pick = tuple[Sequence, int, TokenLogprob | None]
@@ -90,6 +93,7 @@ class EngineCore:
         self._prefill_rate = 0.0
         self._decode_rate = 0.0
         self._busy = BusyShare()
+        self.tiers: TieredKV | None = None
         self.clock: Callable[[], float] = time.monotonic  # the tier-2 simulator's is virtual
         self.last_step_s = 0.0  # the last step's execution time (a simulated one's modelled)
 
@@ -109,6 +113,8 @@ class EngineCore:
             if not sched.empty:
                 self.last_step_s = self._execute(sched, self.kv.take_copies(), outputs)
                 self._update_rates(sched, self.last_step_s)
+            elif self.scheduler.loading and self.scheduler.tiers is not None:
+                self.scheduler.tiers.wait(0.005)  # nothing to run until a load lands
             self.kv.commit_step()
         except Exception as exc:
             failed = self._fail_step(sched)
@@ -139,6 +145,12 @@ class EngineCore:
             for seq in req.seqs if req is not None else ():
                 self.kv.free(seq.seq_id)  # no-op unless scheduling failed half-way
         return failed
+
+    def attach_tiers(self, tiers: TieredKV) -> None:
+        """Put KV tiers below the pool (workers.kv_tiers); what the disk tier already holds
+        is announced with the first step's events."""
+        self.tiers = self.scheduler.tiers = tiers
+        tiers.announce()
 
     def namespace(self, cache_salt: str | None, adapter: str | None = None) -> bytes:
         """Block 0's namespace: the model (under the LoRA adapter `adapter`, its identity)
@@ -324,17 +336,10 @@ class EngineCore:
         if seconds <= 0:
             return
         self._busy.add(seconds, self.clock())
-        a = RATE_SMOOTHING
         if sched.num_prefill_tokens:
-            rate = sched.num_prefill_tokens / seconds
-            self._prefill_rate = (
-                rate if not self._prefill_rate else (a * rate + (1 - a) * self._prefill_rate)
-            )
+            self._prefill_rate = _smoothed(self._prefill_rate, sched.num_prefill_tokens / seconds)
         if sched.num_decode_tokens:
-            rate = sched.num_decode_tokens / seconds
-            self._decode_rate = (
-                rate if not self._decode_rate else (a * rate + (1 - a) * self._decode_rate)
-            )
+            self._decode_rate = _smoothed(self._decode_rate, sched.num_decode_tokens / seconds)
 
     def _flush_events(self) -> None:
         events = self.kv.take_events()
@@ -350,7 +355,7 @@ class EngineCore:
             prompt_tokens_hit=s.prompt_tokens_hit,
             kv_usage=self.kv.usage,
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=len(s.waiting) + len(s.loading),
             queued_prefill_tokens=s.queued_prefill_tokens(),
             prefill_tokens_per_s=self._prefill_rate,
             decode_tokens_per_s=self._decode_rate,
@@ -362,6 +367,9 @@ class EngineCore:
             lora=self.lora_stats(),
             running_loras=_adapter_names(s.running),
             waiting_loras=_adapter_names(s.waiting),
+            external_tokens_queried=s.external_tokens_queried,
+            external_tokens_hit=s.external_tokens_hit,
+            tiers=None if self.tiers is None else self.tiers.counters.snapshot(),
         )
 
     def lora_stats(self) -> LoRAStats:
@@ -369,12 +377,21 @@ class EngineCore:
         return LoRAStats()
 
     def cached_block_hashes(self) -> list[bytes]:
-        return self.kv.cached_hashes()
+        """Every block this worker holds, in any tier (what a resync states)."""
+        below = self.tiers.hashes() if self.tiers is not None else ()
+        return list(dict.fromkeys((*self.kv.cached_hashes(), *below)))
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached hash; ``AllBlocksCleared`` goes out at once."""
+        """Drop every cached hash, in every tier; ``AllBlocksCleared`` goes out at once."""
         self.kv.reset_prefix_cache()
+        if self.tiers is not None:
+            self.tiers.clear()
         self._flush_events()
+
+
+def _smoothed(old: float, rate: float) -> float:
+    """The exponentially smoothed rate after a step at `rate` (the first step's as it is)."""
+    return rate if not old else RATE_SMOOTHING * rate + (1 - RATE_SMOOTHING) * old
 
 
 def _adapter_names(seqs: Iterable[Sequence]) -> tuple[str, ...]:

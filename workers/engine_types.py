@@ -16,6 +16,7 @@ from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
 from prefixserve.router.events import WorkerLoad
 from prefixserve.router.request import TokenLogprob
 from prefixserve.workers.cpu_dtype import cpu_auto_dtype
+from prefixserve.workers.kv_tiers.base import TierCounters
 
 INTERNAL = {"internal": True}  # a config field set by the system, not offered as a CLI flag
 RATE_SMOOTHING = 0.2  # weight of the newest step in the engines' exponentially smoothed rates
@@ -52,6 +53,18 @@ class EngineConfig(BaseModel):
         "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU and on CPUs with "
         "AMX or AVX512-BF16, float32 on other CPUs")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+    kv_offloading_size: float = Field(
+        0.0, ge=0.0, description="GiB of host memory per worker for KV blocks evicted from "
+        "the pool, least recently used dropped (vLLM's --kv-offloading-size); 0: none")
+    kv_offloading_backend: Literal["native"] = Field(
+        "native", description="What keeps offloaded KV blocks (vLLM's "
+        "--kv-offloading-backend): native, this engine's host and disk tiers")
+    kv_disk_dir: str | None = Field(
+        None, description="Folder for a disk KV tier below the host tier: every computed block "
+        "is written there (capped by kv_disk_size), and a worker restarted on it finds its "
+        "model's blocks again; none by default")
+    kv_disk_size: float = Field(
+        16.0, gt=0.0, description="GiB the disk KV tier may use per worker")
     max_lora_rank: int = Field(16, ge=1, description="Largest rank of a LoRA adapter the "
                                "engine takes (vLLM's --max-lora-rank)")
     max_loras: int = Field(4, ge=1, description="LoRA adapters one step mixes, held in its "
@@ -163,6 +176,9 @@ class EngineStats:
     lora: LoRAStats = field(default_factory=LoRAStats)
     running_loras: tuple[str, ...] = ()  # adapters of running sequences, sorted
     waiting_loras: tuple[str, ...] = ()  # adapters of waiting ones
+    external_tokens_queried: int = 0  # cumulative: prompt tokens looked up below the pool
+    external_tokens_hit: int = 0  # and loaded from there
+    tiers: TierCounters | None = None  # the KV tiers' byte, time and failure counts
 
     def load(self, timestamp: float) -> WorkerLoad:
         """The load report routers read; ``timestamp`` is when these stats were taken (routers

@@ -23,76 +23,19 @@ Invariants (tests/test_kv_cache.py checks them):
 7. ``num_cached_free`` counts the free blocks that hold a hash, so ``num_empty`` (free minus
    those) is how many blocks can be allocated without evicting a cached prefix: the room the
    router's cost model weighs against evictions.
+8. With KV tiers below the pool (``workers.kv_tiers``), ``on_evict`` sees every committed
+   hashed block as it is evicted, while its KV is still intact, and reports the event itself;
+   ``on_commit`` sees every block once its KV is written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from prefixserve.workers.free_blocks import Block, FreeBlockQueue
 
-
-@dataclass(eq=False, slots=True)
-class Block:
-    """One KV block: ``block_size`` token slots of every layer's K and V."""
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-    prev: Block | None = field(default=None, repr=False)
-    next: Block | None = field(default=None, repr=False)
-
-
-class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks: O(1) push, pop and unlink from the middle.
-
-    A ``deque.remove`` here would be O(n) per cache hit (nano-vllm's weak spot).
-    """
-
-    def __init__(self, blocks: Iterable[Block]) -> None:
-        self._head = Block(-1)  # sentinels: never handed out
-        self._tail = Block(-1)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self.num_free = 0
-        for block in blocks:
-            self.push_back(block)
-
-    def _link(self, block: Block, before: Block) -> None:
-        after_prev = before.prev
-        assert after_prev is not None
-        block.prev, block.next = after_prev, before
-        after_prev.next = block
-        before.prev = block
-        self.num_free += 1
-
-    def push_back(self, block: Block) -> None:
-        self._link(block, self._tail)
-
-    def push_front(self, block: Block) -> None:
-        assert self._head.next is not None
-        self._link(block, self._head.next)
-
-    def remove(self, block: Block) -> None:
-        prev, nxt = block.prev, block.next
-        assert prev is not None and nxt is not None, "block is not in the free queue"
-        prev.next, nxt.prev = nxt, prev
-        block.prev = block.next = None
-        self.num_free -= 1
-
-    def pop_front(self) -> Block:
-        block = self._head.next
-        if block is None or block is self._tail:
-            raise RuntimeError("no free KV blocks")
-        self.remove(block)
-        return block
-
-    def __iter__(self):
-        block = self._head.next
-        while block is not None and block is not self._tail:
-            yield block
-            block = block.next
+__all__ = ["Block", "BlockPool", "KVCacheManager", "cdiv"]
 
 
 class BlockPool:
@@ -108,6 +51,9 @@ class BlockPool:
         self.events: list[KVEvent] = []
         self.uncommitted: list[Block] = []  # hashed since the last commit: KV not written yet
         self.num_cached_free = 0  # free blocks that still hold a hash (evictable cache hits)
+        # the tiers below the pool (invariant 8); None: an evicted block is gone
+        self.on_evict: Callable[[list[tuple[bytes, Block]]], None] | None = None
+        self.on_commit: Callable[[list[Block]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -123,19 +69,34 @@ class BlockPool:
         if n > self.free.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.free.num_free} free")
         out: list[Block] = []
-        evicted: list[bytes] = []
+        evicted: list[tuple[bytes, Block]] = []
         for _ in range(n):
             block = self.free.pop_front()
             if block.block_hash is not None:
                 self.num_cached_free -= 1
                 del self.cached[block.block_hash]
-                evicted.append(block.block_hash)
+                evicted.append((block.block_hash, block))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block)
         if evicted:
-            self.events.append(BlockRemoved(tuple(evicted)))
+            self._evicted(evicted)
         return out
+
+    def _evicted(self, evicted: list[tuple[bytes, Block]]) -> None:
+        """Report evicted blocks, handing the committed ones to the tiers below, if any (a
+        block hashed in this step has no KV yet: it is only removed)."""
+        if self.on_evict is None:
+            self.events.append(BlockRemoved(tuple(h for h, _ in evicted)))
+            return
+        fresh = {id(b) for b in self.uncommitted}
+        if fresh:
+            gone = tuple(h for h, b in evicted if id(b) in fresh)
+            if gone:
+                self.events.append(BlockRemoved(gone))
+            evicted = [(h, b) for h, b in evicted if id(b) not in fresh]
+        if evicted:
+            self.on_evict(evicted)
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference; a free (cached) block leaves the free queue."""
@@ -180,6 +141,8 @@ class BlockPool:
 
     def commit(self) -> None:
         """The step's forward pass wrote the KV of every block hashed since the last commit."""
+        if self.on_commit is not None and self.uncommitted:
+            self.on_commit([b for b in self.uncommitted if b.block_hash is not None])
         self.uncommitted.clear()
 
     def rollback(self) -> None:
@@ -234,6 +197,9 @@ class KVCacheManager:
         self._num_cached: dict[str, int] = {}  # leading blocks of the table already registered
         self.pending_copies: list[tuple[int, int]] = []
         self.num_copies = 0  # copy-on-write block copies so far
+        # blocks a waiting sequence keeps from eviction until it is admitted: its prefix hits
+        # and the blocks loaded (or loading) into from lower tiers
+        self.held: dict[str, list[Block]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -254,7 +220,7 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(seq_id, ())]
 
-    def _reusable(self, hashes: Sequence[bytes], num_tokens: int) -> Sequence[bytes]:
+    def reusable(self, hashes: Sequence[bytes], num_tokens: int) -> Sequence[bytes]:
         """Hashes of the blocks a sequence of ``num_tokens`` tokens may take from the cache:
         none without caching, and never the block of its last token (its logits are needed,
         so that token is always recomputed)."""
@@ -266,7 +232,7 @@ class KVCacheManager:
                             coming: Container[bytes] = ()) -> int:
         """Leading blocks a waiting sequence would hit if admitted now: cached in the pool, or
         in ``coming`` (blocks that sequences ahead of it will have computed by then)."""
-        reusable = self._reusable(hashes, num_tokens)
+        reusable = self.reusable(hashes, num_tokens)
         for i, block_hash in enumerate(reusable):
             if block_hash not in self.pool.cached and block_hash not in coming:
                 return i
@@ -275,7 +241,7 @@ class KVCacheManager:
     def computed_blocks(self, hashes: Sequence[bytes], num_tokens: int) -> list[Block]:
         """The longest cached chain for a sequence of ``num_tokens`` tokens."""
         hits: list[Block] = []
-        for block_hash in self._reusable(hashes, num_tokens):
+        for block_hash in self.reusable(hashes, num_tokens):
             block = self.pool.cached.get(block_hash)
             if block is None:
                 break
@@ -315,6 +281,9 @@ class KVCacheManager:
         if computed:
             self.pool.touch(computed)
             table.extend(computed)
+        held = self.held.pop(seq_id, None)
+        if held:  # admitted: its table holds what it needs of them now
+            self.pool.release(reversed(held))
         if cow:
             old = table[first]
             assert old.block_hash is None, "a cached block is immutable"
@@ -345,12 +314,28 @@ class KVCacheManager:
         self.tables[child_id] = list(table)
         self._num_cached[child_id] = self._num_cached[parent_id]
 
+    def hold(self, seq_id: str, blocks: Sequence[Block], referenced: bool = False) -> None:
+        """Keep `blocks` until `seq_id` is admitted or freed, taking a reference on each
+        (`referenced`: the caller's, just allocated)."""
+        if not referenced:
+            self.pool.touch(blocks)
+        self.held.setdefault(seq_id, []).extend(blocks)
+
+    def release_held(self) -> None:
+        """Give back every waiting sequence's held blocks."""
+        for blocks in self.held.values():
+            self.pool.release(reversed(blocks))
+        self.held.clear()
+
     def free(self, seq_id: str) -> None:
         """Release a sequence's blocks, tail first (so chain tails are evicted first)."""
         table = self.tables.pop(seq_id, None)
         self._num_cached.pop(seq_id, None)
         if table:
             self.pool.release(reversed(table))
+        held = self.held.pop(seq_id, None)
+        if held:
+            self.pool.release(reversed(held))
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

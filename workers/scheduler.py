@@ -7,6 +7,11 @@ sequence is preempted by recompute: its blocks are released (hashed ones stay in
 as cache hits) and it rejoins the front of the queue, its generated tokens now part of its
 prompt. Nothing is re-hashed on a retry.
 
+With KV tiers below the pool (``workers.kv_tiers``), a sequence's first turn at admission also
+walks the tiers past its pool hits: host copies load at once, and one that needs disk reads
+waits in ``loading`` (not blocking anyone behind it) until they are in the pool, then goes back
+to the front of the queue.
+
 Admission is fair across tenants: a preempted sequence resumes first; otherwise the oldest
 waiting sequence of the tenant with the fewest running sequences goes next (ties: the oldest),
 so one tenant's flood cannot hold another's request behind it. Within a tenant, and with a
@@ -22,14 +27,18 @@ import enum
 from collections import Counter, deque
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefixserve.router.blocks import BlockHasher
 from prefixserve.workers.kv_cache import Block, KVCacheManager
 
+if TYPE_CHECKING:
+    from prefixserve.workers.kv_tiers.offload import TieredKV
+
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"
+    LOADING = "loading"  # its prefix is being read from a lower KV tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -54,6 +63,9 @@ class Sequence:
     extra: dict[str, Any] = field(default_factory=dict)  # engine-private per-sample state
     tenant: str | None = None  # whose share of the batch it uses (fair admission)
     adapter: str | None = None  # its LoRA adapter's identity: a batch slot while it runs
+    tiers_checked: bool = False  # the KV tiers below the pool were searched for its prefix
+    device_hit_blocks: int = 0  # its pool hits then
+    loaded_blocks: int = 0  # blocks loaded into the pool for it from lower tiers
 
     @property
     def num_tokens(self) -> int:
@@ -96,15 +108,19 @@ class Scheduler:
         self.max_loras = max_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}  # waiting on lower-tier loads, by sequence id
+        self.tiers: TieredKV | None = None  # the KV tiers below the pool, if any
         self.num_preemptions = 0
-        self.prompt_tokens_queried = 0
+        self.prompt_tokens_queried = 0  # vLLM's prefix_cache_* counters: the pool's hits
         self.prompt_tokens_hit = 0
+        self.external_tokens_queried = 0  # vLLM's external_prefix_cache_*: the lower tiers'
+        self.external_tokens_hit = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def queued_prefill_tokens(self) -> int:
         """Tokens still to compute: unfinished chunks of running prompts, and waiting prompts
@@ -120,7 +136,7 @@ class Scheduler:
             if left > 1:
                 total += left
                 coming.update(s.hashes[s.num_computed_tokens // bs:])
-        for s in self.waiting:
+        for s in (*self.loading.values(), *self.waiting):
             hits = self.kv.expected_hit_blocks(s.hashes, s.num_tokens, coming)
             total += s.num_tokens - max(s.num_computed_tokens, hits * bs)
             coming.update(s.hashes[hits:])
@@ -134,6 +150,11 @@ class Scheduler:
         return out
 
     def _schedule(self) -> SchedulerOutput:
+        if self.tiers is not None:
+            for done in self.tiers.poll():  # loaded: their turn had come, so at the front
+                seq = self.loading.pop(done.seq_id)
+                seq.status = SeqStatus.WAITING
+                self.waiting.appendleft(seq)
         out = SchedulerOutput([], [])
         budget = self.max_num_batched_tokens
         kv = self.kv
@@ -142,6 +163,9 @@ class Scheduler:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not kv.allocate_slots(seq.seq_id, seq.num_computed_tokens, n, seq.hashes):
+                if kv.held:
+                    self._drop_holds()
+                    continue
                 if len(self.running) == 1:
                     # alone and still no room: the pool cannot hold this sequence
                     self.running.pop()
@@ -170,6 +194,15 @@ class Scheduler:
             if len(self.running) + fanout > self.max_num_seqs and self.running:
                 break
             hits = kv.computed_blocks(seq.hashes, seq.num_tokens)
+            if self.tiers is not None and not seq.tiers_checked:
+                seq.tiers_checked = True
+                seq.device_hit_blocks = len(hits)
+                if self.tiers.start_load(seq, hits):
+                    self.waiting.remove(seq)
+                    seq.status = SeqStatus.LOADING
+                    self.loading[seq.seq_id] = seq
+                    continue
+                hits = kv.computed_blocks(seq.hashes, seq.num_tokens)
             num_computed = len(hits) * kv.block_size
             n = min(seq.num_tokens - num_computed, budget)
             if not kv.allocate_slots(seq.seq_id, num_computed, n, seq.hashes, hits):
@@ -184,13 +217,23 @@ class Scheduler:
             seq.num_computed_tokens = num_computed
             seq.status = SeqStatus.RUNNING
             if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = num_computed
-                self.prompt_tokens_queried += seq.num_prompt_tokens
-                self.prompt_tokens_hit += num_computed
+                self._count_hits(seq, num_computed)
             self.running.append(seq)
             self._take(out, seq, n)
             budget -= n
         return out
+
+    def _count_hits(self, seq: Sequence, num_computed: int) -> None:
+        """First admission: its cached tokens, split into the pool's and the lower tiers'
+        (those loaded for it that it uses, after its pool hits)."""
+        seq.num_cached_tokens = num_computed
+        bs = self.kv.block_size
+        external = max(0, min(seq.loaded_blocks * bs, num_computed - seq.device_hit_blocks * bs))
+        self.prompt_tokens_queried += seq.num_prompt_tokens
+        self.prompt_tokens_hit += num_computed - external
+        if self.tiers is not None:
+            self.external_tokens_queried += seq.num_prompt_tokens - (num_computed - external)
+            self.external_tokens_hit += external
 
     def running_adapters(self) -> set[str]:
         return {s.adapter for s in self.running if s.adapter is not None}
@@ -232,6 +275,7 @@ class Scheduler:
         self.kv.free(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
+        seq.tiers_checked = False  # its blocks may be lower down by its next turn
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -242,6 +286,8 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
+        elif seq.status is SeqStatus.LOADING:
+            self._unload(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         self.kv.free(seq.seq_id)
@@ -249,13 +295,34 @@ class Scheduler:
     def drop_requests(self, request_ids: Container[str]) -> None:
         """Retire every queued or running sample of these requests as "abort" and free its
         blocks; a sample a failed step had already finished but not yet removed goes too."""
-        for seq in [s for s in (*self.running, *self.waiting) if s.request_id in request_ids]:
+        seqs = (*self.running, *self.waiting, *self.loading.values())
+        for seq in [s for s in seqs if s.request_id in request_ids]:
+            if seq.status is SeqStatus.LOADING:
+                self._unload(seq)
             if seq.status is not SeqStatus.FINISHED:
                 seq.status = SeqStatus.FINISHED
                 seq.finish_reason = "abort"
             self.kv.free(seq.seq_id)
         self.running = [s for s in self.running if s.request_id not in request_ids]
         self.waiting = deque(s for s in self.waiting if s.request_id not in request_ids)
+
+    def _drop_holds(self) -> None:
+        """Running sequences come first: give back the blocks held for waiting sequences'
+        prefixes (their loads are dropped; they search the tiers again at their turn)."""
+        for seq in list(self.loading.values()):
+            self._unload(seq)
+            seq.status = SeqStatus.WAITING
+            self.waiting.appendleft(seq)
+        for seq in self.waiting:
+            if seq.seq_id in self.kv.held:
+                seq.tiers_checked = False
+        self.kv.release_held()
+
+    def _unload(self, seq: Sequence) -> None:
+        """A loading sequence ends: its loads are dropped (its blocks go when it is freed)."""
+        del self.loading[seq.seq_id]
+        if self.tiers is not None:
+            self.tiers.cancel(seq.seq_id)
 
     def remove_finished(self, done: set[Sequence]) -> None:
         """Drop many finished running sequences in one O(running) pass."""

@@ -1,6 +1,7 @@
 -- KEYS: w, r   ARGV: pfx, id, epoch, seq, ops
 -- ops: router.events.encode_events' op stream, records of
---      op (1 byte: S stored, R removed, C cleared) | u32 BE count | count x 16-byte digests
+--      op (1 byte: S, H, D stored in the pool, host memory, on disk; R removed; C cleared)
+--      | u32 BE count | count x 16-byte digests
 -- -> OK (applied, or a duplicate seq), STALE_EPOCH or RESYNC_NEEDED
 --#include _blocks.lua
 --#include _codes.lua
@@ -25,7 +26,7 @@ while pos <= len do
   local cnt = struct.unpack('>I4', string.sub(ops, pos + 1, pos + 4))
   local blob = string.sub(ops, pos + 5, pos + 4 + cnt * 16)
   pos = pos + 5 + cnt * 16
-  if op == 'S' then
+  if op == 'S' or op == 'H' or op == 'D' then
     local added = add_blocks(bkey, code, blob, 16)
     if #added > 0 then redis.call('APPEND', rkey, table.concat(added)) end
     n = n + #added

@@ -1,0 +1,386 @@
+"""KV tiers below the pool (workers/kv_tiers): host memory and a disk folder, on real files.
+
+Greedy tokens after a prefix came back from the host tier or from disk equal transformers' and
+a cold engine's, through chunked prefill, preemption and n > 1 forks; every copy that fails a
+check is a counted miss; the tiers keep their invariants (one cached block wherever its copies
+are, LRU order, no leaked slot or file, the disk cap) and a new engine on the same folder finds
+the blocks again (a warm restart).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from test_engine import hf_greedy, prompts, write_checkpoint
+
+from prefixserve.router.blocks import hash_chain, namespace
+from prefixserve.router.events import DISK, HOST, BlockRemoved, BlockStored
+from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name
+from prefixserve.workers.kv_tiers.host import HostTier
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+BLOCK = 4
+POOL = 24  # blocks: two 40-token prompts do not fit together with their outputs
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint(path, "llama")
+
+
+def block_bytes(eng: LLMEngine) -> int:
+    return eng.kv_cache[:, :, 0].numel() * eng.kv_cache.element_size()
+
+
+def engine(path: Path, *, host_blocks: int = 0, disk: Path | None = None,
+           disk_blocks: int = 1000, **kw) -> LLMEngine:
+    """An engine whose tiers hold `host_blocks` and `disk_blocks` blocks."""
+    per_block = 2 * 2 * BLOCK * 2 * 16 * 4  # layers x K/V x tokens x kv heads x head_dim x fp32
+    kw.setdefault("num_blocks", POOL)
+    cfg = EngineConfig(device="cpu", block_size=BLOCK, kv_offloading_size=host_blocks
+                       * per_block / 2**30, kv_disk_dir=None if disk is None else str(disk),
+                       kv_disk_size=disk_blocks * (per_block + HEADER.size) / 2**30, **kw)
+    eng = LLMEngine.from_pretrained(path, cfg)
+    assert block_bytes(eng) == per_block
+    return eng
+
+
+def flood(eng: LLMEngine, n: int = 6, start: int = 50) -> None:
+    """Other prompts, enough to evict everything from the pool."""
+    eng.generate(prompts(*[40] * n, start=start), GREEDY)
+
+
+def settle(eng: LLMEngine) -> None:
+    """Let the disk writer finish and the engine take in its results."""
+    if eng.tiers is not None and eng.tiers.disk is not None:
+        eng.tiers.disk.flush()
+        eng.tiers.poll()
+
+
+def test_a_prefix_evicted_to_host_comes_back_exact(llama) -> None:
+    path, model = llama
+    eng = engine(path, host_blocks=64)
+    (p,) = prompts(41)
+    (cold,) = eng.generate([p], GREEDY)
+    assert cold.num_cached_tokens == 0
+    flood(eng)
+    assert eng.kv.computed_blocks(hashes_of(eng, p), len(p)) == []  # gone from the pool
+    (warm,) = eng.generate([p], GREEDY)
+    assert warm.num_cached_tokens == 40  # every full block but the last token's
+    assert warm.samples[0].token_ids == cold.samples[0].token_ids == hf_greedy(model, p, 6)
+    s = eng.stats()
+    assert s.external_tokens_hit == 40 and s.tiers.loaded_bytes[HOST] == 10 * block_bytes(eng)
+    assert s.tiers.offloaded_bytes[HOST] > 0 and not s.tiers.load_failures
+    # vLLM's prefix_cache_* count the pool's hits alone, external_prefix_cache_* the tiers'
+    assert s.prompt_tokens_hit == 0 and s.external_tokens_queried == 41 + 6 * 40 + 41
+    assert eng.kv.num_free_blocks == POOL
+
+
+def hashes_of(eng: LLMEngine, prompt: list[int]) -> list[bytes]:
+    return hash_chain(prompt, BLOCK, namespace(eng.model_fingerprint))
+
+
+def test_a_prefix_on_disk_comes_back_exact_under_chunked_prefill_and_forks(llama, tmp_path):
+    path, model = llama
+    eng = engine(path, disk=tmp_path, max_num_batched_tokens=12)
+    (p,) = prompts(37, start=9)
+    (cold,) = eng.generate([p], GREEDY)
+    settle(eng)
+    flood(eng)
+    settle(eng)
+    assert eng.kv.computed_blocks(hashes_of(eng, p), len(p)) == []
+    before = eng.stats()
+    forks = SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True)
+    (warm,) = eng.generate([p], forks)
+    assert warm.num_cached_tokens == 36
+    expected = hf_greedy(model, p, 6)
+    assert cold.samples[0].token_ids == expected
+    assert [s.token_ids for s in warm.samples] == [expected] * 3
+    s = eng.stats()
+    assert s.tiers.loaded_bytes[DISK] - before.tiers.loaded_bytes[DISK] == 9 * block_bytes(eng)
+    assert s.external_tokens_hit - before.external_tokens_hit == 36
+    assert eng.kv.num_free_blocks == POOL and not eng.scheduler.loading
+    eng.tiers.close()
+
+
+def test_preemption_with_tiers_matches_transformers(llama, tmp_path) -> None:
+    path, model = llama
+    eng = engine(path, host_blocks=8, disk=tmp_path, num_blocks=14, max_num_seqs=8)
+    batch = prompts(12, 13, 14, 15, start=21)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    for _ in range(2):  # the second round finds the first's blocks in the tiers
+        results = eng.generate(batch, params)
+        settle(eng)
+        for p, r in zip(batch, results, strict=True):
+            assert r.samples[0].token_ids == hf_greedy(model, p, 16)
+    s = eng.stats()
+    assert s.num_preemptions > 0 and s.external_tokens_hit > 0
+    assert eng.kv.num_free_blocks == 14
+    eng.tiers.close()
+
+
+def test_offload_once_and_one_cached_block(llama) -> None:
+    path, _ = llama
+    eng = engine(path, host_blocks=64)
+    host = eng.tiers.host
+    puts: list[bytes] = []
+    put = host.put
+    host.put = lambda h: (puts.append(h), put(h))[1]  # record every copy into the tier
+    (p,) = prompts(41, start=3)
+    chain = hashes_of(eng, p)[:11]  # 47 tokens: 11 full blocks
+    eng.generate([p], GREEDY)
+    flood(eng, n=3)
+    assert all(h in host and eng.tiers.medium(h) == HOST for h in chain)
+    eng.generate([p], GREEDY)  # back in the pool and still in the host tier: one cached block
+    assert all(eng.tiers.medium(h) == "device" and h in host for h in chain[:10])
+    assert sorted(eng.cached_block_hashes()) == sorted(set(eng.cached_block_hashes()))
+    flood(eng, n=3, start=60)  # evicted again: the host copies are only touched
+    assert all(h in host for h in chain)
+    assert sorted(h for h in puts if h in set(chain)) == sorted(chain)  # each copied once
+    assert len(host.slots) + len(host._free) == host.num_slots  # no slot leaks
+
+
+def test_host_tier_evicts_least_recently_used_first() -> None:
+    host = HostTier(2, (2, 3), torch.float32)
+    host.put(b"a").fill_(1.0)
+    host.put(b"b").fill_(2.0)
+    host.touch(b"a")
+    victim, data = host.evict_lru()
+    assert victim == b"b" and data.eq(2.0).all()
+    assert host.evict_lru() is None  # a slot is free now
+    host.put(b"c")
+    assert list(host.slots) == [b"a", b"c"] and host.get(b"a").eq(1.0).all()
+
+
+def test_events_report_the_best_tier_and_removal_only_when_no_tier_holds_it(llama) -> None:
+    path, _ = llama
+    events = []
+    eng = engine(path, host_blocks=4)
+    eng.on_kv_events = events.extend
+    (p,) = prompts(41, start=5)
+    eng.generate([p], GREEDY)
+    events.clear()
+    flood(eng, n=4)
+    to_host = {h for e in events if isinstance(e, BlockStored) and e.medium == HOST
+               for h in e.hashes}
+    removed = {h for e in events if isinstance(e, BlockRemoved) for h in e.hashes}
+    chain = set(hashes_of(eng, p))
+    assert chain & to_host, "evicted blocks are reported stored in the host tier"
+    assert chain & removed, "a 4-block host tier drops most of them: removed"
+    for h in chain & removed:
+        assert eng.tiers.medium(h) is None
+    # a block still held somewhere is never reported removed after its last store
+    last: dict[bytes, object] = {}
+    for e in events:
+        for h in getattr(e, "hashes", ()):
+            last[h] = e
+    for h, e in last.items():
+        assert isinstance(e, BlockRemoved) == (eng.tiers.medium(h) is None)
+
+
+def corrupt(folder: Path, h: bytes, how: str) -> None:
+    f = folder / file_name(h)
+    if how == "deleted":
+        f.unlink()
+    elif how == "truncated":
+        os.truncate(f, f.stat().st_size - 7)
+    else:
+        raw = bytearray(f.read_bytes())
+        raw[HEADER.size + 5] ^= 0xFF
+        f.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize(("how", "reason"), [("deleted", "missing"),
+                                             ("truncated", "truncated"),
+                                             ("flipped", "checksum")])
+def test_a_bad_file_is_a_counted_miss_never_wrong_kv(llama, tmp_path, how, reason) -> None:
+    path, model = llama
+    eng = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=11)
+    eng.generate([p], GREEDY)
+    settle(eng)
+    flood(eng)
+    settle(eng)
+    chain = hashes_of(eng, p)
+    corrupt(eng.tiers.disk.folder, chain[4], how)
+    (warm,) = eng.generate([p], GREEDY)
+    assert warm.samples[0].token_ids == hf_greedy(model, p, 6)
+    assert warm.num_cached_tokens == 4 * BLOCK  # the blocks before the bad one
+    s = eng.stats()
+    assert s.tiers.load_failures == {reason: 1}
+    # the recomputed block was committed again, and written again: whole now
+    settle(eng)
+    assert eng.tiers.disk.readable(chain[4])
+    assert eng.kv.num_free_blocks == POOL
+    eng.tiers.close()
+
+
+def test_a_full_disk_means_no_offload_and_serving_goes_on(llama, tmp_path) -> None:
+    path, model = llama
+    eng = engine(path, disk=tmp_path)
+    eng.tiers.disk.min_free_bytes = 1 << 62  # more than any disk has free
+    (p,) = prompts(41, start=12)
+    (res,) = eng.generate([p], GREEDY)
+    settle(eng)
+    assert res.samples[0].token_ids == hf_greedy(model, p, 6)
+    assert eng.stats().tiers.store_skips["disk_full"] == 11  # 47 tokens: 11 full blocks
+    assert not list(eng.tiers.disk.folder.glob("*.kv")) and not eng.tiers.disk.files
+    eng.tiers.close()
+
+
+def test_the_disk_cap_holds_lru_first(llama, tmp_path) -> None:
+    path, _ = llama
+    eng = engine(path, disk=tmp_path, disk_blocks=15)
+    eng.generate(prompts(41, 41, start=13), GREEDY)
+    settle(eng)
+    disk = eng.tiers.disk
+    files = list(disk.folder.glob("*.kv"))
+    assert len(files) == len(disk.files) == 15
+    assert disk.used_bytes == sum(f.stat().st_size for f in files) <= disk.capacity_bytes
+    eng.tiers.close()
+
+
+def test_warm_restart_on_the_same_folder(llama, tmp_path) -> None:
+    path, model = llama
+    first = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=14)
+    first.generate([p], GREEDY)
+    settle(first)
+    first.tiers.close()  # the worker dies: its folder's lock goes with it
+    events = []
+    second = engine(path, disk=tmp_path)
+    assert second.tiers.disk.folder == first.tiers.disk.folder
+    second.on_kv_events = events.extend
+    assert set(hashes_of(second, p)[:10]) <= set(second.cached_block_hashes())
+    (warm,) = second.generate([p], GREEDY)
+    assert warm.num_cached_tokens == 40
+    assert warm.samples[0].token_ids == hf_greedy(model, p, 6)
+    announced = {h for e in events if isinstance(e, BlockStored) and e.medium == DISK
+                 for h in e.hashes}
+    assert set(hashes_of(second, p)[:10]) <= announced
+    # a second live engine on the folder gets a folder of its own
+    third = engine(path, disk=tmp_path)
+    assert third.tiers.disk.folder != second.tiers.disk.folder and not third.tiers.disk.files
+    second.tiers.close()
+    third.tiers.close()
+
+
+def test_another_models_folder_is_ignored_with_one_log_line(llama, tmp_path, caplog) -> None:
+    path, _ = llama
+    first = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=15)
+    first.generate([p], GREEDY)
+    settle(first)
+    first.tiers.close()
+    other = tmp_path / "other-model"
+    write_checkpoint(other, "qwen2")
+    with caplog.at_level(logging.INFO, logger="prefixserve.workers.kv_tiers.disk"):
+        eng = LLMEngine.from_pretrained(other, EngineConfig(
+            device="cpu", block_size=BLOCK, num_blocks=POOL, kv_disk_dir=str(tmp_path)))
+    assert not eng.tiers.disk.files and eng.stats().tiers.load_failures == {}
+    lines = [r.getMessage() for r in caplog.records if "other models" in r.getMessage()]
+    assert len(lines) == 1 and first.tiers.disk.folder.parent.name in lines[0]
+    # a file of another layout dropped into this worker's folder is never loaded
+    foreign = next(first.tiers.disk.folder.glob("*.kv"))
+    (eng.tiers.disk.folder / foreign.name).write_bytes(foreign.read_bytes())
+    eng.tiers.close()
+    again = LLMEngine.from_pretrained(other, EngineConfig(
+        device="cpu", block_size=BLOCK, num_blocks=POOL, kv_disk_dir=str(tmp_path)))
+    assert not again.tiers.disk.files
+    again.tiers.close()
+
+
+def test_a_write_cut_short_leaves_nothing_that_loads(llama, tmp_path) -> None:
+    path, model = llama
+    first = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=16)
+    first.generate([p], GREEDY)
+    settle(first)
+    first.tiers.close()
+    folder = first.tiers.disk.folder
+    chain = hashes_of(first, p)
+    # a writer killed mid-write: a partial temporary file, and (as if the disk lied) a
+    # renamed file cut short
+    (folder / f".{file_name(chain[2])}.123.tmp").write_bytes(b"partial")
+    os.truncate(folder / file_name(chain[3]), HEADER.size + 10)
+    eng = engine(path, disk=tmp_path)
+    assert not list(folder.glob("*.tmp")) and not eng.tiers.disk.readable(chain[3])
+    (warm,) = eng.generate([p], GREEDY)
+    assert warm.samples[0].token_ids == hf_greedy(model, p, 6)
+    assert warm.num_cached_tokens == 3 * BLOCK
+    eng.tiers.close()
+
+
+def test_abort_while_loading_frees_everything(llama, tmp_path) -> None:
+    path, _ = llama
+    eng = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=17)
+    eng.generate([p], GREEDY)
+    settle(eng)
+    flood(eng)
+    settle(eng)
+    eng.add_request("r", p, GREEDY)
+    eng.step()
+    assert "r#0" in eng.scheduler.loading
+    eng.abort("r")
+    while eng.has_unfinished():
+        eng.step()
+    assert not eng.scheduler.loading and not eng.tiers.jobs and not eng.kv.held
+    assert eng.kv.num_free_blocks == POOL
+    eng.tiers.close()
+
+
+def test_reset_clears_every_tier(llama, tmp_path) -> None:
+    path, _ = llama
+    eng = engine(path, host_blocks=16, disk=tmp_path)
+    eng.generate(prompts(41, start=18), GREEDY)
+    flood(eng, n=1)
+    eng.reset_prefix_cache()
+    settle(eng)
+    assert not eng.cached_block_hashes() and not list(eng.tiers.disk.folder.glob("*.kv"))
+    eng.tiers.close()
+
+
+def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> None:
+    """A sequence waiting on a slow disk read holds pool blocks; a running one that needs
+    them gets them (the load starts over later), instead of being cut short as too long."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path, num_blocks=14)
+    p, q = prompts(40, 20, start=30)
+    eng.generate([p], GREEDY)
+    settle(eng)
+    flood(eng, n=2)
+    settle(eng)
+    gate = threading.Event()
+    read = eng.tiers.disk._read_many
+    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # 50 tokens: 13 blocks
+    eng.add_request("q", q, long)
+    outs: dict[str, list[int]] = {"p": [], "q": eng.step()[0].new_token_ids}
+    eng.add_request("p", p, GREEDY)
+    reasons = {}
+    held_while_q_ran = False
+    while "q" not in reasons:
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason
+        held_while_q_ran |= bool(eng.kv.held)
+    assert held_while_q_ran and "p" not in reasons  # p was loading all along
+    assert outs["q"] == hf_greedy(model, q, 30) and reasons["q"] == "length"
+    gate.set()
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert outs["p"] == hf_greedy(model, p, 6)
+    assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+    eng.tiers.close()

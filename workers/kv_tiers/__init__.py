@@ -1,0 +1,1 @@
+"""KV tiers below the engine's pool: host memory and a local disk folder."""
