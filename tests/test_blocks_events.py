@@ -109,8 +109,12 @@ def test_event_op_stream_layout() -> None:
 def test_an_op_stream_decodes_to_its_events() -> None:
     h = hash_chain(list(range(16 * 40)), 16, NS)
     events = [BlockStored(tuple(h[:30])), AllBlocksCleared(), BlockRemoved((h[3], h[1])),
-              BlockStored(()), BlockStored((h[39],))]
+              BlockStored(()), BlockStored((h[39],)), BlockStored((h[31], h[32]), "host"),
+              BlockStored((h[33],), "disk")]
     assert decode_events(encode_events(events)) == events
+    # the medium is the op: H host memory, D disk (S is the device pool)
+    assert encode_events([BlockStored((h[0],), "host")])[:1] == b"H"
+    assert encode_events([BlockStored((h[0],), "disk")])[:1] == b"D"
     assert decode_events(b"") == []
 
 

@@ -379,6 +379,13 @@ async def test_removed_and_cleared_events(index: RedisPrefixIndex) -> None:
     cleared = EventBatch(a, 1, 3, (AllBlocksCleared(), BlockStored((ch[0],))))
     assert await index.apply(cleared) is ResultCode.OK
     assert depths(await index.lookup(ch)) == {"A": (1, 1), "B": (3, 3)}
+    # blocks held below the pool (host memory, disk) are held: B's demoted blocks stay, and
+    # A's blocks stored on disk (a warm restart's announcement) count
+    lower = EventBatch(b, 1, 2, (BlockStored(tuple(ch[:3]), "host"),))
+    assert await index.apply(lower) is ResultCode.OK
+    on_disk = EventBatch(a, 1, 4, (BlockStored(tuple(ch[1:4]), "disk"),))
+    assert await index.apply(on_disk) is ResultCode.OK
+    assert depths(await index.lookup(ch)) == {"A": (4, 4), "B": (3, 3)}
 
 
 @pytest.mark.cluster

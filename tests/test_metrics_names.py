@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from test_router_state import ABC, TOKENS_A, lookup, state
 from prefixserve.router.decision_types import Outcome
 from prefixserve.router.request import TokenDelta
 from prefixserve.workers.engine_types import EngineStats, LoRAStats
+from prefixserve.workers.kv_tiers.base import TierCounters
 from prefixserve.workers.worker_metrics import COUNTERS, TAG_KEYS, WorkerMetrics, exported_series
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,8 +30,11 @@ PANELS_BASE = PANELS.with_name("serve_llm_grafana_dashboard_base.json")
 ROUTING_DASHBOARD = ROOT / "deploy" / "grafana" / "prefixserve-routing.json"
 KUBERAY = ROOT / "deploy" / "kuberay"
 # What the vLLM engine has and prefixserve's does not: disaggregated-prefill transfers (NIXL),
-# CPU KV offload, an external (LMCache-style) prefix cache, swapping (gone in vLLM V1 too).
-NOT_APPLICABLE = ("ray_vllm_nixl_", "ray_vllm_kv_offload_", "ray_vllm_external_prefix_cache_",
+# the offload connector's transfer-size histograms, per-direction buffer usage and lookup
+# delay, swapping (gone in vLLM V1 too).
+NOT_APPLICABLE = ("ray_vllm_nixl_", "ray_vllm_kv_offload_store_size",
+                  "ray_vllm_kv_offload_load_size", "ray_vllm_kv_offload_cpu_cache_read",
+                  "ray_vllm_kv_offload_cpu_cache_write", "ray_vllm_kv_offload_lookup_sync",
                   "ray_vllm_num_requests_swapped")
 CORE = {
     "ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total",
@@ -88,7 +93,8 @@ class Recorder:
 
 def recorded() -> WorkerMetrics:
     m = WorkerMetrics("r1", "m")
-    for table in (m.counters, m.gauges, m.histograms):
+    m.host_usage = Recorder()
+    for table in (m.counters, m.gauges, m.histograms, m.tier_counters):
         for name in table:
             table[name] = Recorder()
     return m
@@ -156,6 +162,27 @@ def test_snapshot_counters_take_increments_of_the_engine_totals() -> None:
     assert values(m, "prefixserve_lora_reads") == [2]
     assert values(m, "prefixserve_lora_evictions") == [1, 1]
     assert [v for v, _ in m.gauges["vllm_kv_cache_usage_perc"].values] == [0.5, 0.25]
+
+
+def test_kv_tier_counters_take_increments_per_medium_and_reason() -> None:
+    m = recorded()
+    first = TierCounters(offloaded_bytes=Counter(host=100), loaded_bytes=Counter(disk=40),
+                         load_failures=Counter(checksum=1), host_usage=0.5)
+    m.update(EngineStats(10, 0, 0.0, 0, 0, 0, 0.0, 0.0, 1, 2, external_tokens_queried=10,
+                         external_tokens_hit=8, tiers=first))
+    second = TierCounters(offloaded_bytes=Counter(host=150, disk=30),
+                          loaded_bytes=Counter(disk=40), load_failures=Counter(checksum=1,
+                                                                               missing=2))
+    m.update(EngineStats(20, 0, 0.0, 0, 0, 0, 0.0, 0.0, 1, 2, external_tokens_queried=18,
+                         external_tokens_hit=8, tiers=second))
+    assert m.tier_counters["vllm_kv_offload_store_bytes"].values == [
+        (100, {"medium": "host"}), (50, {"medium": "host"}), (30, {"medium": "disk"})]
+    assert m.tier_counters["vllm_kv_offload_load_bytes"].values == [(40, {"medium": "disk"})]
+    assert m.tier_counters["prefixserve_kv_offload_load_failures"].values == [
+        (1, {"reason": "checksum"}), (2, {"reason": "missing"})]
+    assert values(m, "vllm_external_prefix_cache_queries") == [10, 8]
+    assert values(m, "vllm_external_prefix_cache_hits") == [8]
+    assert [v for v, _ in m.host_usage.values] == [0.5, 0.0]
 
 
 def test_lora_requests_info_names_the_running_and_waiting_adapters() -> None:

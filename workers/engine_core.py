@@ -369,7 +369,7 @@ class EngineCore:
             waiting_loras=_adapter_names(s.waiting),
             external_tokens_queried=s.external_tokens_queried,
             external_tokens_hit=s.external_tokens_hit,
-            tiers=None if self.tiers is None else self.tiers.counters.snapshot(),
+            tiers=None if self.tiers is None else self.tiers.snapshot(),
         )
 
     def lora_stats(self) -> LoRAStats:

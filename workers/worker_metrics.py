@@ -16,7 +16,7 @@ second from the replica); the per-request series are observed by ``generate`` th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +24,7 @@ from ray.util import metrics
 
 from prefixserve.router.request import TokenDelta
 from prefixserve.workers.engine_types import EngineStats
+from prefixserve.workers.kv_tiers.base import TierCounters
 
 TAG_KEYS = ("model_name", "worker")
 
@@ -46,10 +47,36 @@ COUNTERS = {
     "vllm_prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "vllm_prefix_cache_hits": "Prompt tokens served from the prefix cache.",
     "vllm_num_preemptions": "Sequences preempted (their KV blocks taken back) to make room.",
+    "vllm_external_prefix_cache_queries": "Prompt tokens looked up in the KV tiers below the "
+                                          "pool (those the pool did not hit).",
+    "vllm_external_prefix_cache_hits": "Prompt tokens loaded from the KV tiers below the pool.",
     "prefixserve_lora_loads": "LoRA adapters put into a batch slot.",
     "prefixserve_lora_reads": "LoRA adapters read from their files into host memory.",
     "prefixserve_lora_evictions": "LoRA adapters evicted from a batch slot for another.",
 }
+# The KV tiers' cumulative counts, each by one tag: name -> (description, tag, reader).
+TIER_COUNTERS: dict[str, tuple[str, str, Callable[[TierCounters], Mapping[str, float]]]] = {
+    "vllm_kv_offload_store_bytes": (
+        "KV bytes copied below the pool, by medium (host, disk).", "medium",
+        lambda t: t.offloaded_bytes),
+    "vllm_kv_offload_store_time": (
+        "Seconds the engine thread spent copying them (disk writes: queueing them).", "medium",
+        lambda t: t.offload_s),
+    "vllm_kv_offload_load_bytes": (
+        "KV bytes loaded into the pool from below, by medium.", "medium",
+        lambda t: t.loaded_bytes),
+    "vllm_kv_offload_load_time": (
+        "Seconds from a load's start to its blocks being in the pool, by medium.", "medium",
+        lambda t: t.load_s),
+    "prefixserve_kv_offload_load_failures": (
+        "Blocks found below the pool that did not load (recomputed), by reason: missing, "
+        "truncated, corrupt, checksum, layout, read_error.", "reason",
+        lambda t: t.load_failures),
+    "prefixserve_kv_offload_store_skips": (
+        "Blocks not written to the disk tier, by reason: disk_full, disk_busy, write_error, "
+        "too_big.", "reason", lambda t: t.store_skips),
+}
+HOST_USAGE = "vllm_kv_offload_cpu_cache_usage_perc"
 # How true the prefix index is (workers/index_truth.py): per request the router sent with its
 # expectation, the blocks found less those expected, and the requests off by more than a block.
 INDEX_ERROR = "prefixserve_index_error_blocks"
@@ -94,6 +121,8 @@ _CUMULATIVE: dict[str, Callable[[EngineStats], int]] = {
     "vllm_prefix_cache_queries": lambda s: s.prompt_tokens_queried,
     "vllm_prefix_cache_hits": lambda s: s.prompt_tokens_hit,
     "vllm_num_preemptions": lambda s: s.num_preemptions,
+    "vllm_external_prefix_cache_queries": lambda s: s.external_tokens_queried,
+    "vllm_external_prefix_cache_hits": lambda s: s.external_tokens_hit,
     "prefixserve_lora_loads": lambda s: s.lora.loads,
     "prefixserve_lora_reads": lambda s: s.lora.reads,
     "prefixserve_lora_evictions": lambda s: s.lora.evictions,
@@ -102,8 +131,8 @@ _CUMULATIVE: dict[str, Callable[[EngineStats], int]] = {
 
 def exported_series() -> set[str]:
     """The series names Ray's Prometheus exporter shows for these metrics."""
-    return ({f"ray_{n}_total" for n in (*COUNTERS, INDEX_OFF)}
-            | {f"ray_{n}" for n in (*GAUGES, LORA_INFO)}
+    return ({f"ray_{n}_total" for n in (*COUNTERS, INDEX_OFF, *TIER_COUNTERS)}
+            | {f"ray_{n}" for n in (*GAUGES, LORA_INFO, HOST_USAGE)}
             | {f"ray_{n}_{s}" for n in (*HISTOGRAMS, INDEX_ERROR, INDEX_LAG)
                for s in ("bucket", "sum", "count")})
 
@@ -147,8 +176,16 @@ class WorkerMetrics:
             "applying them (where a lookup sees them), per applied batch's oldest event.",
             boundaries=_LAG_BUCKETS, tag_keys=TAG_KEYS,
         ).set_default_tags(tags).observe
+        self.tier_counters = {
+            n: metrics.Counter(n, description=d, tag_keys=(*TAG_KEYS, tag)).set_default_tags(tags)
+            for n, (d, tag, _) in TIER_COUNTERS.items()
+        }
+        self.host_usage = metrics.Gauge(
+            HOST_USAGE, description="Host KV tier slots in use (0-1).", tag_keys=TAG_KEYS,
+        ).set_default_tags(tags)
         # The engine's counts are cumulative; Prometheus counters take increments.
         self._seen = dict.fromkeys(_CUMULATIVE, 0)
+        self._seen_tiers: dict[tuple[str, str], float] = {}
 
     def update(self, s: EngineStats) -> None:
         """Bring the snapshot-fed counters and gauges up to a stats snapshot."""
@@ -157,6 +194,8 @@ class WorkerMetrics:
             if total > self._seen[name]:
                 self.counters[name].inc(total - self._seen[name])
             self._seen[name] = total
+        if s.tiers is not None:
+            self._update_tiers(s.tiers)
         self.gauges["vllm_kv_cache_usage_perc"].set(s.kv_usage)
         self.gauges["vllm_num_requests_running"].set(s.num_running)
         self.gauges["vllm_num_requests_waiting"].set(s.num_waiting)
@@ -165,6 +204,15 @@ class WorkerMetrics:
                 "running_lora_adapters": ",".join(s.running_loras),
                 "waiting_lora_adapters": ",".join(s.waiting_loras),
                 "max_lora": str(s.lora.max_loras)})
+
+    def _update_tiers(self, t: TierCounters) -> None:
+        for name, (_, tag, read) in TIER_COUNTERS.items():
+            for value, total in read(t).items():
+                seen = self._seen_tiers.get((name, value), 0)
+                if total > seen:
+                    self.tier_counters[name].inc(total - seen, tags={tag: value})
+                self._seen_tiers[name, value] = total
+        self.host_usage.set(t.host_usage)
 
     def request(self, arrival: float, n: int,
                 judge: Callable[[int], tuple[int, str | None]] | None = None) -> RequestMetrics:

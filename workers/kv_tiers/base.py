@@ -40,16 +40,20 @@ class LoadFailed(Exception):
 
 @dataclass
 class TierCounters:
-    """Cumulative, per medium (host, disk) or reason: what Prometheus counters are fed from."""
+    """Cumulative, per medium (host, disk) or reason: what Prometheus counters are fed from.
 
-    offloaded_bytes: Counter[str] = field(default_factory=Counter)
-    offload_s: Counter[str] = field(default_factory=Counter)
-    loaded_bytes: Counter[str] = field(default_factory=Counter)
-    load_s: Counter[str] = field(default_factory=Counter)
-    load_failures: Counter[str] = field(default_factory=Counter)
-    store_skips: Counter[str] = field(default_factory=Counter)
+    The engine's own are Counters; a snapshot holds plain dicts (``dataclasses.asdict`` would
+    rebuild a Counter from its items, counting the pairs)."""
 
-    def snapshot(self) -> TierCounters:
-        return TierCounters(*(Counter(c) for c in (
+    offloaded_bytes: dict[str, float] = field(default_factory=Counter)
+    offload_s: dict[str, float] = field(default_factory=Counter)
+    loaded_bytes: dict[str, float] = field(default_factory=Counter)
+    load_s: dict[str, float] = field(default_factory=Counter)
+    load_failures: dict[str, float] = field(default_factory=Counter)
+    store_skips: dict[str, float] = field(default_factory=Counter)
+    host_usage: float = 0.0  # of the host tier's slots in use, when the snapshot was taken
+
+    def snapshot(self, host_usage: float = 0.0) -> TierCounters:
+        return TierCounters(*(dict(c) for c in (
             self.offloaded_bytes, self.offload_s, self.loaded_bytes, self.load_s,
-            self.load_failures, self.store_skips)))
+            self.load_failures, self.store_skips)), host_usage)

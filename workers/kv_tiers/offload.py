@@ -102,6 +102,11 @@ class TieredKV:
             elif medium != DEVICE:
                 self.pool.events.append(BlockStored(tuple(group), medium))
 
+    def snapshot(self) -> TierCounters:
+        """The counters now, with the host tier's usage."""
+        host = self.host
+        return self.counters.snapshot(0.0 if host is None else len(host) / host.num_slots)
+
     def hashes(self) -> list[bytes]:
         """Every block held below the pool."""
         out = list(self.host.slots) if self.host is not None else []
