@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
     cmp = sub.add_parser("compare", help="launch the local cluster per routing policy and compare")
     cmp.add_argument("--policies", default="prefix,pow2,round_robin",
-                     help=f"comma-separated: {', '.join(POLICY_NAMES)} (first is the baseline)")
+                     help=f"comma-separated arms: {', '.join(POLICY_NAMES)} (first is the "
+                          "baseline), each optionally +LABEL: its --arm-option settings")
     cmp.add_argument("--num-workers", type=int, default=2)
     cmp.add_argument("--model-path", default=DEFAULT_MODEL,
                      help="what the cluster serves: a known model name, a checkpoint dir or a "
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--port", type=int, default=0, help="HTTP port (0: a free one)")
     cmp.add_argument("--cluster-option", action="append", default=[], metavar="KEY=JSON",
                      help="extra ClusterConfig field, e.g. max_num_seqs=32 (repeatable)")
+    cmp.add_argument("--arm-option", action="append", default=[], metavar="LABEL:KEY=JSON",
+                     help="a ClusterConfig field for the arms named POLICY+LABEL only, e.g. "
+                          "tiers:kv_offloading_size=0.5 (repeatable)")
     cmp.add_argument("--repeats", type=int, default=1,
                      help="launch every policy N times, interleaved (A B A B ...): tables "
                           "show medians and each launch's ratios (noisy, shared machines)")

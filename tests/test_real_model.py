@@ -76,3 +76,29 @@ def test_chunked_prefill_and_a_mixed_batch_give_the_same_tokens(reference) -> No
     rest = engine.generate(prompts[1:], GREEDY)  # these hit it, in one batch, in 40-token chunks
     assert [o.samples[0].token_ids for o in rest] == expected[1:]
     assert all(o.num_cached_tokens >= 48 for o in rest)
+
+
+def test_prefixes_reloaded_from_host_and_disk_give_the_same_tokens(reference, tmp_path) -> None:
+    """A pool of 12 blocks: an unrelated 170-token prompt evicts the conversations, whose
+    blocks come back from the host tier, from disk, and from disk into a second engine (a warm
+    restart)."""
+    prompts, expected, _ = reference
+    flood = [t for p in prompts for t in reversed(p)][:170]
+    host = _engine(num_blocks=12, kv_offloading_size=0.05, max_num_batched_tokens=40)
+    disk = _engine(num_blocks=12, kv_disk_dir=str(tmp_path))
+    for engine in (host, disk):
+        cold = engine.generate(prompts, GREEDY)
+        assert [o.samples[0].token_ids for o in cold] == expected
+        engine.generate([flood], SamplingParams(max_tokens=1))
+        if engine.tiers.disk is not None:
+            engine.tiers.disk.flush()
+        warm = [engine.generate([p], GREEDY)[0] for p in prompts]
+        assert [o.samples[0].token_ids for o in warm] == expected
+        assert warm[0].num_cached_tokens >= 48
+        assert engine.stats().external_tokens_hit >= 48
+    disk.tiers.close()
+    restarted = _engine(num_blocks=12, kv_disk_dir=str(tmp_path))
+    again = restarted.generate(prompts[:1], GREEDY)[0]
+    assert again.samples[0].token_ids == expected[0] and again.num_cached_tokens >= 48
+    assert restarted.stats().external_tokens_hit == again.num_cached_tokens
+    restarted.tiers.close()

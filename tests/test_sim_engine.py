@@ -17,6 +17,8 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import BUSY_WINDOW_S, BusyShare, EngineConfig
+from prefixserve.workers.kv_tensor import kv_bytes_per_token
+from prefixserve.workers.models.config import load_model_config
 from prefixserve.workers.scheduler import Sequence
 from prefixserve.workers.sim.engine import SimEngine
 from prefixserve.workers.sim.profiles import CPU_SMOLLM2, H100_LLAMA3_8B, SimProfile, profile_for
@@ -38,6 +40,8 @@ SCRIPT: dict[int, list[tuple]] = {  # step -> actions before it
     4: [("abort", "c")],
     5: [("add", "e", [*SHARED, 40, 41, 42, 43, 44], _params(9))],
     9: [("add", "f", list(range(100, 140)), _params(2))],
+    16: [("add", "h", list(range(200, 250)), _params(2))],  # evicts f's blocks
+    24: [("add", "i", list(range(100, 140)), _params(2))],  # f's prompt: from the host tier
     30: [("reset",)],
     31: [("add", "g", [*SHARED, 40], _params(2))],
 }
@@ -63,16 +67,28 @@ def _run(engine, batches: list) -> tuple[list, list, list]:
     return steps, outputs, cached
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory) -> tuple[list, list, list, object]:
+def with_host_tier(config: EngineConfig, slots: int, block_bytes: int) -> EngineConfig:
+    """`config` with a host KV tier of `slots` blocks of `block_bytes`."""
+    if not slots:
+        return config
+    size = (slots + 0.5) * block_bytes / 2**30
+    return config.model_copy(update={"kv_offloading_size": size})
+
+
+@pytest.fixture(scope="module", params=[0, 16], ids=["no-tiers", "host-tier"])
+def real_run(request, tmp_path_factory) -> tuple[list, list, list, object, int]:
     path = ensure_builtin_model(tmp_path_factory.mktemp("cache"))
     batches: list = []
-    engine = LLMEngine.from_pretrained(path, CONFIG, on_kv_events=batches.append)
-    return (*_run(engine, batches), engine.stats())
+    per_block = kv_bytes_per_token(load_model_config(path), "float32") * CONFIG.block_size
+    config = with_host_tier(CONFIG, request.param, per_block)
+    engine = LLMEngine.from_pretrained(path, config, on_kv_events=batches.append)
+    assert engine.tiers is None or engine.tiers.host.num_slots == request.param
+    return (*_run(engine, batches), engine.stats(), request.param)
 
 
 def test_events_cache_and_outputs_equal_the_real_engine(real_run) -> None:
-    events, outputs, cached, stats = real_run
+    """With a host tier too: the simulator's tiers are the real engine's, without contents."""
+    events, outputs, cached, stats, slots = real_run
     tokens: dict[tuple[str, int], list[int]] = defaultdict(list)
     for step in outputs:
         for rid, index, new, _, _ in step:
@@ -82,7 +98,8 @@ def test_events_cache_and_outputs_equal_the_real_engine(real_run) -> None:
         return tokens[seq.request_id, seq.index][seq.num_output_tokens]
 
     batches: list = []
-    sim = SimEngine(CPU_SMOLLM2, CONFIG, batches.append, token_source=replay)
+    config = with_host_tier(CONFIG, slots, CPU_SMOLLM2.kv_bytes_per_token * CONFIG.block_size)
+    sim = SimEngine(CPU_SMOLLM2, config, batches.append, token_source=replay)
     sim_events, sim_outputs, sim_cached = _run(sim, batches)
     assert sum(map(len, events)) > 10  # the script did exercise the cache
     assert stats.num_preemptions > 0 and any(c for c in cached)
@@ -93,6 +110,10 @@ def test_events_cache_and_outputs_equal_the_real_engine(real_run) -> None:
     assert (sim_stats.prompt_tokens_hit, sim_stats.prompt_tokens_queried,
             sim_stats.num_preemptions) == (stats.prompt_tokens_hit, stats.prompt_tokens_queried,
                                            stats.num_preemptions)
+    assert (sim_stats.external_tokens_hit, sim_stats.external_tokens_queried) == (
+        stats.external_tokens_hit, stats.external_tokens_queried)
+    if slots:  # the script evicted into the tier and hit it
+        assert stats.external_tokens_hit > 0 and stats.tiers.offloaded_bytes["host"] > 0
     assert sim.clock_s > 0 and not sim.has_unfinished()
 
 

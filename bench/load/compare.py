@@ -1,8 +1,10 @@
 """`bench compare`: the same workload against the local cluster under each routing policy.
 
-The cluster is launched afresh per policy (same model, workers and engine settings), so every
-policy starts with empty prefix caches and an empty index; the workload and arrival times are
-identical (same seeds). The first policy is the baseline of the ratio columns.
+The cluster is launched afresh per arm (same model, workers and engine settings), so every arm
+starts with empty prefix caches and an empty index; the workload and arrival times are identical
+(same seeds). The first arm is the baseline of the ratio columns. An arm is a policy, or
+``policy+label``: that policy with the settings ``--arm-option label:KEY=JSON`` adds (KV tiers
+on for some arms and not others, say).
 """
 
 from __future__ import annotations
@@ -38,9 +40,22 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def arm_options(arm: str, pairs: list[str]) -> dict[str, Any]:
+    """The settings `--arm-option label:KEY=JSON` gives the arm `policy+label[+label...]`."""
+    labels = set(arm.split("+")[1:])
+    mine = []
+    for pair in pairs:
+        label, sep, setting = pair.partition(":")
+        if not sep:
+            raise SystemExit(f"bad --arm-option {pair!r}: use LABEL:KEY=JSON")
+        if label in labels:
+            mine.append(setting)
+    return parse_options(mine)
+
+
 def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, list[list[RunResult]]]:
-    """policy -> one sweep per launch. Launches interleave the policies (A B A B ...), so a
-    slow spell of a shared machine hits every policy rather than one of them."""
+    """arm -> one sweep per launch. Launches interleave the arms (A B A B ...), so a slow
+    spell of a shared machine hits every arm rather than one of them."""
     options = parse_options(args.cluster_option)
     rates = parse_rates(args)
     workload = make_workload(args)
@@ -59,8 +74,9 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
             label = policy if repeats == 1 else f"{policy}#{rep + 1}"
             print(f"--- launching the cluster with policy={policy} ({args.num_workers} workers)"
                   + (f", launch {rep + 1} of {repeats}" if repeats > 1 else ""))
-            with local_cluster(port=args.port, model=args.model_path,
-                               num_workers=args.num_workers, policy=policy, **options) as cluster:
+            arm = {**options, **arm_options(policy, getattr(args, "arm_option", []))}
+            with local_cluster(port=args.port, model=args.model_path, num_workers=args.num_workers,
+                               policy=policy.split("+")[0], **arm) as cluster:
                 spec = make_spec(args, cluster.base_url, args.model or cluster.model)
                 runs[policy].append(asyncio.run(run_sweep(spec, workload, rates, label=label,
                                                           measures=measures)))
@@ -69,7 +85,7 @@ def run_policies(args: argparse.Namespace, policies: list[str]) -> dict[str, lis
 
 def compare(args: argparse.Namespace) -> int:
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICY_NAMES]
+    unknown = [p for p in policies if p.split("+")[0] not in POLICY_NAMES]
     if unknown or not policies:
         raise SystemExit(f"unknown policies {unknown}; choose from {', '.join(POLICY_NAMES)}")
     try:

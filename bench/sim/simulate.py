@@ -133,7 +133,7 @@ class RunResult:
     workers: int
     requests: int
     rejected: int
-    hit_rate: float
+    hit_rate: float  # cached tokens from every KV tier, of the prompt tokens
     ceiling_hit_rate: float
     ttft_p50_s: float
     ttft_p90_s: float
@@ -165,6 +165,8 @@ class RunResult:
     # router process's peak resident memory
     copy_mib: float = 0.0
     router_rss_mib: float = 0.0
+    unlimited_hit_rate: float = 0.0  # the workload's hit rate with unlimited cache
+    host_hit_share: float = 0.0  # of the cached tokens, those loaded from the host tier
 
     def parts(self) -> str:
         return (f"{self.policy} at {self.workers} workers, decision parts, ms: hashing p50 "
@@ -494,9 +496,12 @@ async def simulate(
     served = [r for r in reqs if not r.rejected]
     if ceiling is None:
         ceiling = ceiling_for(served, sim.workers[0].engine, num_workers)
+    unlimited = ceiling_for(served, sim.workers[0].engine, None)
     ttft = [r.first_token_s - r.arrival_s for r in served if r.first_token_s is not None]
     stats = [w.engine.stats() for w in sim.workers]
     queried = sum(s.prompt_tokens_queried for s in stats)
+    hit = sum(s.prompt_tokens_hit + s.external_tokens_hit for s in stats)
+    external = sum(s.external_tokens_hit for s in stats)
     busy = [w.busy_s for w in sim.workers]
     mean_busy = sum(busy) / len(busy)
     timed = sim.router.timings
@@ -504,8 +509,9 @@ async def simulate(
     return RunResult(
         policy=policy, workers=num_workers, requests=len(reqs),
         rejected=len(reqs) - len(served),
-        hit_rate=sum(s.prompt_tokens_hit for s in stats) / queried if queried else 0.0,
-        ceiling_hit_rate=ceiling,
+        hit_rate=hit / queried if queried else 0.0,
+        ceiling_hit_rate=ceiling, unlimited_hit_rate=unlimited,
+        host_hit_share=external / hit if hit else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p90_s=percentile(ttft, 90),
         ttft_p99_s=percentile(ttft, 99),
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
@@ -527,18 +533,25 @@ async def simulate(
         copy_mib=timed.copy_bytes / 2**20, router_rss_mib=timed.max_rss_bytes / 2**20)
 
 
-def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int) -> float:
-    """The merged-cache ceiling of a cluster of ``num_workers`` engines like ``engine``."""
+def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int | None,
+                ) -> float:
+    """The merged-cache ceiling of a cluster of ``num_workers`` engines like ``engine``, their
+    pools and host tiers together (None: unlimited cache)."""
     ns = namespace(engine.model_fingerprint, None)
     bs = engine.block_size
     ordered = sorted(served, key=lambda r: (r.arrival_s, r.key))
     chains = [hash_chain(r.tokens, bs, ns) for r in ordered]
-    return merged_ceiling(chains, [len(r.tokens) for r in ordered],
-                          engine.kv.num_total_blocks * num_workers, bs)
+    per_worker = engine.kv.num_total_blocks
+    if engine.tiers is not None and engine.tiers.host is not None:
+        per_worker += engine.tiers.host.num_slots
+    blocks = sys.maxsize if num_workers is None else per_worker * num_workers
+    return merged_ceiling(chains, [len(r.tokens) for r in ordered], blocks, bs)
 
 
 COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),
            ("hit_rate", "hit", "{:.3f}"), ("ceiling_hit_rate", "ceiling", "{:.3f}"),
+           ("unlimited_hit_rate", "unlimited", "{:.3f}"), ("host_hit_share", "host share",
+                                                           "{:.2f}"),
            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "p90", "{:.3f}"),
            ("ttft_p99_s", "p99", "{:.3f}"), ("busy_imbalance", "busy max/mean", "{:.2f}"),
            ("route_p99_ms", "route p99 ms", "{:.2f}"), ("lookup_p99_ms", "lookup p99", "{:.2f}"),
@@ -558,8 +571,10 @@ async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips
     """The runs, and (where the prefix policy ran) what a Redis round trip costs here, to read
     the decision times against."""
     profile = profile_for(args.profile)
+    pool = args.num_blocks or profile.default_num_blocks(args.block_size)
+    host_gib = args.host_factor * pool * profile.kv_bytes_per_token * args.block_size / 2**30
     config = EngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks,
+        block_size=args.block_size, num_blocks=args.num_blocks, kv_offloading_size=host_gib,
         max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
     requests = trace_requests(args.trace, profile.vocab_size, limit=args.limit,
                               speedup=args.speedup, max_input=args.max_input,
@@ -631,6 +646,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks per worker (default: the profile's KV budget)")
+    parser.add_argument("--host-factor", type=float, default=0.0,
+                        help="a host KV tier per worker of this many times its pool (0: none)")
     parser.add_argument("--publish-lag-ms", type=float, default=5.0,
                         help="from a step's end to its KV events in the index")
     parser.add_argument("--heartbeat-s", type=float, default=1.0, help="load report interval")

@@ -41,4 +41,4 @@ def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor
         disk.scan()
     if host is None and disk is None:
         return None
-    return TieredKV(kv, io, host, disk)
+    return TieredKV(kv, io, host, disk, io.block_bytes)

@@ -61,8 +61,11 @@ class TieredKV:
     """See the module docstring. Engine-thread only, like the pool it serves."""
 
     def __init__(self, kv: KVCacheManager, io: BlockIO | None, host: HostTier | None,
-                 disk: DiskTier | None) -> None:
+                 disk: DiskTier | None, block_bytes: int) -> None:
+        """`io` moves block contents (None: the simulator's tiers keep bookkeeping only);
+        `block_bytes` is one block's size, for the counters."""
         self.kv = kv
+        self.block_bytes = block_bytes
         self.pool = kv.pool
         self.io = io
         self.host = host
@@ -173,8 +176,7 @@ class TieredKV:
         self._reap_disk()
 
     def _count_offload(self, medium: str, blocks: int, start: float) -> None:
-        if self.io is not None:
-            self.counters.offloaded_bytes[medium] += blocks * self.io.block_bytes
+        self.counters.offloaded_bytes[medium] += blocks * self.block_bytes
         self.counters.offload_s[medium] += time.perf_counter() - start
 
     def _reap_disk(self) -> None:
@@ -275,8 +277,7 @@ class TieredKV:
                 self._count_load(medium, count, start)
 
     def _count_load(self, medium: str, blocks: int, start: float) -> None:
-        if self.io is not None:
-            self.counters.loaded_bytes[medium] += blocks * self.io.block_bytes
+        self.counters.loaded_bytes[medium] += blocks * self.block_bytes
         self.counters.load_s[medium] += time.perf_counter() - start
 
     def cancel(self, seq_id: str) -> None:

@@ -4,7 +4,10 @@
 requests, forking, stop checks, outputs, stats) with :class:`workers.engine.LLMEngine`, so its
 prefix hits, KV events, preemptions and load are the real engine's for the same token streams;
 only the forward pass is replaced by a cost model (:mod:`workers.sim.profiles`) and the sampler
-by a token source. No tensors: a thousand of them fit in one process (``bench.sim.simulate``).
+by a token source. ``kv_offloading_size`` gives it the real engine's host tier (the same
+``workers.kv_tiers`` code, keeping which blocks are where but no contents), whose loads add the
+profile's copy time to the step. No tensors: a thousand of them fit in one process
+(``bench.sim.simulate``).
 
 Time: each step's modelled duration is ``last_step_s``. With ``sleep=True`` (a Serve replica)
 ``step`` sleeps it, so streams take modelled time; otherwise the caller owns the clock (the
@@ -17,9 +20,11 @@ import time
 import zlib
 from collections.abc import Callable
 
-from prefixserve.router.events import KVEvent
+from prefixserve.router.events import HOST, KVEvent
 from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max_model_len
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
+from prefixserve.workers.kv_tiers.host import HostTier
+from prefixserve.workers.kv_tiers.offload import TieredKV
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 from prefixserve.workers.sim.profiles import SimProfile
 
@@ -64,6 +69,10 @@ class SimEngine(EngineCore):
                          vocab_size or profile.vocab_size, (), profile.max_model_len,
                          num_blocks, on_kv_events)
         self.profile = profile
+        slots = int(config.kv_offloading_size * 2**30) // self.block_bytes
+        if slots:  # the real engine's tiers, bookkeeping only: no contents to move
+            self.attach_tiers(TieredKV(self.kv, None, HostTier(slots), None, self.block_bytes))
+        self._loaded_bytes = 0.0  # loaded from the host tier by the steps modelled so far
         self.sleep = sleep
         self.next_token = token_source or hashed_tokens(self.vocab_size)
         self.clock_s = 0.0  # modelled time of every step so far
@@ -87,8 +96,13 @@ class SimEngine(EngineCore):
             time.sleep(seconds)
         return seconds
 
+    @property
+    def block_bytes(self) -> int:
+        return self.profile.kv_bytes_per_token * self.block_size
+
     def step_seconds(self, sched: SchedulerOutput) -> float:
-        """The profile's time for this batch (call before the tokens are counted computed)."""
+        """The profile's time for this batch (call before the tokens are counted computed),
+        with the host tier's loads since the last step."""
         prefills: list[tuple[int, int]] = []
         decodes: list[int] = []
         for seq, n in zip(sched.seqs, sched.num_new_tokens, strict=True):
@@ -97,7 +111,12 @@ class SimEngine(EngineCore):
                 decodes.append(seq.num_tokens)
             else:
                 prefills.append((n, computed))
-        return self.profile.step_seconds(prefills, decodes)
+        load_s = 0.0
+        if self.tiers is not None:
+            loaded = self.tiers.counters.loaded_bytes.get(HOST, 0)
+            load_s = (loaded - self._loaded_bytes) / self.profile.host_load_bytes_per_s
+            self._loaded_bytes = loaded
+        return load_s + self.profile.step_seconds(prefills, decodes)
 
     def _may_stop(self, req: EngineRequest, seq: Sequence) -> bool:
         """The token source ignores min_tokens (the real sampler masks stops), so hold it here."""

@@ -8,6 +8,8 @@ A profile is a linear model of one engine step (one forward pass over every sche
              + decode_per_seq_s + decode_per_context_token_s * context
                                             (per decoding sequence)
 
+plus ``loaded bytes / host_load_bytes_per_s`` for the blocks the step loaded from the host KV
+tier (its copies run before the forward pass; offloads overlap it and cost nothing here).
 ``base`` is ``decode_base_s`` for a decode-only step, else the larger of the two bases (a step
 reads the weights once, whatever it computes). Prefill cost thus falls with the cached prefix
 (only uncached tokens are computed; the attention term still reads the cached context), and a
@@ -48,6 +50,7 @@ class SimProfile:
     decode_per_context_token_s: float
     max_num_seqs: int = 64  # engine defaults that suit the device (the simulator applies them)
     max_num_batched_tokens: int = 2048
+    host_load_bytes_per_s: float = 10e9  # host KV tier -> the pool (a step waits for its loads)
 
     @property
     def fingerprint(self) -> str:
@@ -99,6 +102,9 @@ class SimProfile:
 #                                 0.044 / 0.064 / 0.207  / 0.130  / 0.280  / 1.95 s
 # Fit: the coefficients below (decode_base_s came out negative and is clipped to 0). The VM is
 # shared with other jobs, so these are slow, noisy figures: recalibrate on the machine you model.
+# Host tier: the engine's host-to-pool block copies on this VM, measured with
+#     python -m prefixserve.bench.micro.tier_bandwidth
+# (SmolLM2-135M fp32 blocks of 16 tokens, 720 KiB each): ~5 GB/s, about its memcpy's.
 
 CPU_SMOLLM2 = SimProfile(
     name="cpu-smollm2",
@@ -112,6 +118,7 @@ CPU_SMOLLM2 = SimProfile(
     decode_base_s=0.0,
     decode_per_seq_s=0.0374,
     decode_per_context_token_s=4.91e-5,
+    host_load_bytes_per_s=5e9,
 )
 
 # --- h100-llama3-8b ----------------------------------------------------------------------------
@@ -135,6 +142,8 @@ CPU_SMOLLM2 = SimProfile(
 # * KV pool: 0.9 x 80 GiB, less 14.96 GiB of weights and ~4 GiB assumed for activations and
 #   CUDA graphs, leaves ~53 GiB: ~434k tokens. Batching: vLLM's max_num_seqs default 256, and
 #   8192 batched tokens per step (assumed: a typical chunked-prefill budget on an H100).
+# * Host KV tier: PCIe 5.0 x16, 64 GB/s per direction (PCI-SIG), at an assumed 80% for copies
+#   from pinned memory in blocks of 16 tokens (2 MiB each here).
 _H100_BW = 3.35e12 * 0.77  # bytes/s achieved
 _H100_FLOPS = 989e12 * 0.5  # FLOP/s achieved
 _LLAMA3_8B_PARAMS = 8.03e9
@@ -154,6 +163,7 @@ H100_LLAMA3_8B = SimProfile(
     decode_per_context_token_s=_LLAMA3_8B_KV_PER_TOKEN / _H100_BW,
     max_num_seqs=256,
     max_num_batched_tokens=8192,
+    host_load_bytes_per_s=64e9 * 0.8,
 )
 
 SIM_PREFIX = "sim:"
