@@ -39,6 +39,11 @@ def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
                    "router/lua/lookup.lua", "workers/models/llama.py"):
         assert f"prefixserve/{module}" in names, module
     assert "prefixserve/__init__.py" not in names  # a namespace package
+    # every module of the four folders, subpackages too (a package left out of pyproject's
+    # list would work in an editable install and be missing from the wheel)
+    for folder in ("router", "workers", "cluster", "bench"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert f"prefixserve/{path.relative_to(ROOT)}" in names, path
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert "prefixserve = prefixserve.cluster.cli:main" in entry_points

@@ -192,6 +192,8 @@ class EngineLoop(threading.Thread):
         self._commands.put(Stop())
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout_s)
+        if not self.is_alive() and self.engine.tiers is not None:
+            self.engine.tiers.close()  # the disk tier's queued writes land for the next worker
 
     # The loop -------------------------------------------------------------------------
 
