@@ -95,7 +95,7 @@ _FAILURES: dict[ResultCode, tuple[type[Exception], str]] = {
     ResultCode.STALE_EPOCH: (StaleEpoch, "a newer epoch is registered"),
     ResultCode.UNKNOWN_WORKER: (UnknownWorker, "not registered (for this epoch)"),
     ResultCode.TAG_TAKEN: (ValueError, "the model's hash tag belongs to another model"),
-    ResultCode.IDS_EXHAUSTED: (RuntimeError, "all 65,535 worker ids of this model are in use"),
+    ResultCode.IDS_EXHAUSTED: (RuntimeError, "all 16,383 worker ids of this model are in use"),
 }
 
 
@@ -129,6 +129,10 @@ class WorkerMatch:
     confirmed_depth: int  # consecutive blocks from block 0 confirmed by KV events
     predicted_depth: int  # consecutive blocks confirmed OR predicted (>= confirmed_depth)
     load: WorkerLoad | None
+    # of the confirmed blocks, those held below the pool: (host, disk). Host blocks are those
+    # past the pool's consecutive depth up to where the first disk block is, disk ones the rest
+    # (a worker evicts a chain's tail first: the pool holds its head, the lower tiers its tail)
+    lower_blocks: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from prefixserve.router.blocks import DIGEST_BYTES, Chain
-from prefixserve.router.events import WorkerLoad, decode_events
+from prefixserve.router.events import MEDIA, BlockStored, WorkerLoad, decode_events
 from prefixserve.router.index import EventLog, LogEntry, LookupResult, PrefixIndex, WorkerMatch
 from prefixserve.router.local_index import KEY, LocalIndex, PredictedBlocks
+from prefixserve.router.redis_records import ID_BITS, ID_MASK
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex
 
 # Not Serve's logger: its records read Ray's runtime context, and a router's follower may
@@ -115,12 +116,14 @@ class IndexFollower:
         confirmed depth and, with the predicted entries, its predicted depth."""
         confirmed = self._held.depths(chain)
         predicted = self._predicted.depths(chain, confirmed, time.monotonic())
+        lower = self._held.lower_blocks(chain, confirmed)
         names, loads = self._names, self._loads
         matches = {}
         for worker_id, depth in confirmed.items():
             if (name := names.get(worker_id)) is not None:
                 ahead = max(depth, predicted.get(worker_id, 0))
-                matches[name] = WorkerMatch(worker_id, name, depth, ahead, loads.get(name))
+                matches[name] = WorkerMatch(worker_id, name, depth, ahead, loads.get(name),
+                                            lower.get(worker_id, (0, 0)))
         for worker_id, ahead in predicted.items():
             if worker_id not in confirmed and (name := names.get(worker_id)) is not None:
                 matches[name] = WorkerMatch(worker_id, name, 0, ahead, loads.get(name))
@@ -175,17 +178,24 @@ class IndexFollower:
         await log.keep_log(self._log_entries)  # again after Redis restarted empty
         after, number = await log.log_head()
         held: dict[int, list[bytes]] = {}
+        lower: dict[tuple[int, int], list[bytes]] = {}  # (worker, tier) -> keys held there
         offset = group * GROUP_SPAN
         async for key, ids in log.scan_holders():
-            if len(ids) % 2:  # junk, not 2-byte ids (the index skips it too)
+            if len(ids) % 2:  # junk, not 2-byte codes (the index skips it too)
                 continue
             for k in range(0, len(ids), 2):
-                held.setdefault(offset + int.from_bytes(ids[k : k + 2], "big"), []).append(key)
+                code = int.from_bytes(ids[k : k + 2], "big")
+                worker_id, tier = offset + (code & ID_MASK), code >> ID_BITS
+                held.setdefault(worker_id, []).append(key)
+                if tier:
+                    lower.setdefault((worker_id, tier), []).append(key)
         for worker_id in [w for w in self._held.workers() if w // GROUP_SPAN == group]:
             if worker_id not in held:
                 self._held.drop(worker_id)
         for worker_id, keys in held.items():
             self._held.replace(worker_id, keys)
+        for (worker_id, tier), keys in lower.items():
+            self._held.apply(worker_id, [BlockStored(tuple(keys), MEDIA[tier])])
         cursor.after, cursor.number, cursor.ready = after, number, True
 
     async def _read(self, group: int, wait_s: float) -> int:

@@ -20,68 +20,62 @@ worker leaves.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, KeysView, Mapping
+from collections.abc import Callable, Iterable, KeysView, Mapping
 
 import numpy as np
 
 from prefixserve.router.blocks import DIGEST_BYTES, BlockHash, Chain
-from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
-from prefixserve.router.index import INDEX_KEY_BYTES
-
-KEY = INDEX_KEY_BYTES
+from prefixserve.router.events import (
+    DEVICE,
+    DISK,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
+from prefixserve.router.packed_entries import KEY, PackedEntries, chain_keys, keys_of
 
 
 class LocalIndex:
-    """Confirmed block holders, as the KV events of each worker (by index worker id) say.
-
-    Held as two packed arrays sorted by block key, the base (each entry a key, 8 bytes, and a
-    worker slot, 2 bytes), and a delta of the changes since the base was last rebuilt: per block
-    key, a bitmask of the slots stored since (none of them in the base) and one of base entries
-    removed since. A lookup reads the base's run of a key (a binary search) and corrects it by
-    the delta; the delta is merged into the base once it holds ``MERGE_SHARE`` of the base's
-    entries (at least ``MERGE_MIN``): the sorted new entries inserted in one pass, the removed
-    ones masked out in another. So an entry costs about 10 bytes plus its share of the bounded
-    delta, where a dict of bitmasks and a set per worker cost about 200.
-    """
+    """Confirmed block holders, as the KV events of each worker (by index worker id) say: every
+    (block, worker) entry, whatever tier holds it, packed (:class:`PackedEntries`); and, once some
+    worker reports blocks below its pool (KV tiers), those entries again per tier, so a lookup
+    also tells how much of each worker's depth is in host memory or on disk."""
 
     MERGE_MIN = 65_536
     MERGE_SHARE = 0.05
 
     def __init__(self) -> None:
-        self._keys = np.empty(0, np.uint64)  # base, sorted
-        self._slot_col = np.empty(0, np.uint16)  # base: each entry's worker slot
-        self._base_count = np.zeros(0, np.int64)  # base entries per slot
-        self._added: dict[int, int] = {}  # block key -> slots stored since the base (not in it)
-        self._removed: dict[int, int] = {}  # block key -> base entries removed since
-        self._delta = 0  # entries the two dicts hold
+        self._held = PackedEntries(self)  # every entry, at any tier
+        self._lower: dict[str, PackedEntries] = {}  # medium (host, disk) -> the entries held there
         self._slots: dict[int, int] = {}  # worker id -> its bit's position
         self._ids: dict[int, int] = {}  # bit position -> worker id
         self._free: list[int] = []  # positions of dropped workers, reused first
 
     def __len__(self) -> int:
         """(block, worker) entries held."""
-        removed = sum(m.bit_count() for m in self._removed.values())
-        return len(self._keys) - removed + sum(m.bit_count() for m in self._added.values())
+        return len(self._held)
 
     @property
     def nbytes(self) -> int:
         """The base arrays' bytes (the delta's Python objects come on top)."""
-        return self._keys.nbytes + self._slot_col.nbytes
+        return self._held.nbytes + sum(t.nbytes for t in self._lower.values())
 
     def apply(self, worker_id: int, events: Iterable[KVEvent]) -> None:
         """One worker's events, in order."""
         for event in events:
             if isinstance(event, BlockStored):
-                self._store(worker_id, event.hashes)
+                self._store(worker_id, event.hashes, event.medium)
             elif isinstance(event, BlockRemoved):
                 self._remove(worker_id, event.hashes)
             elif isinstance(event, AllBlocksCleared) and worker_id in self._slots:
                 self._clear(self._slots[worker_id])
 
     def replace(self, worker_id: int, hashes: Iterable[bytes]) -> None:
-        """The worker's whole block set, as a resync states it (digests, or their keys)."""
+        """The worker's whole block set, as a resync states it (digests, or their keys): in its
+        pool, as far as a resync tells."""
         self.drop(worker_id)
-        self._store(worker_id, tuple(hashes))
+        self._store(worker_id, tuple(hashes), DEVICE)
 
     def drop(self, worker_id: int) -> None:
         """Forget the worker (gone, or about to be replaced) and free its slot."""
@@ -99,11 +93,41 @@ class LocalIndex:
     def depths(self, chain: Chain) -> dict[int, int]:
         """Each worker's consecutive confirmed depth of ``chain`` from block 0 (blocks), for
         the workers holding block 0."""
-        keys = np.frombuffer(chain.packed, dtype=_KEY_DTYPE)[::2]  # each digest's first 8 bytes
+        return self._walk(chain_keys(chain), self._held.holders)
+
+    def lower_blocks(self, chain: Chain, depths: Mapping[int, int]) -> dict[int, tuple[int, int]]:
+        """Of each worker's ``depths`` blocks, those held below its pool, (host, disk), where
+        some are (``WorkerMatch.lower_blocks``): the pool's consecutive depth and the pool's
+        or host's are walked as the confirmed one is."""
+        lower = [t for t in self._lower.values() if len(t)]
+        if not lower or not depths:
+            return {}
+        keys = chain_keys(chain)
+        held, disk = self._held.holders, self._lower.get(DISK)
+
+        def in_pool(key: np.uint64) -> int:
+            mask = held(key)
+            for table in lower:
+                mask &= ~table.holders(key)
+            return mask
+
+        def pool_or_host(key: np.uint64) -> int:
+            return held(key) & ~disk.holders(key) if disk is not None else held(key)
+
+        pool, upper = self._walk(keys, in_pool), self._walk(keys, pool_or_host)
+        out = {}
+        for worker_id, depth in depths.items():
+            p = pool.get(worker_id, 0)
+            if p < depth:
+                host = min(depth, upper.get(worker_id, 0)) - p
+                out[worker_id] = (max(0, host), depth - p - max(0, host))
+        return out
+
+    def _walk(self, keys: np.ndarray, holders: Callable[[np.uint64], int]) -> dict[int, int]:
+        """Each worker's consecutive depth from block 0 of the blocks ``holders`` gives it."""
         n = len(keys)
         if not n:
             return {}
-        holders = self._holders
         alive = holders(keys[0])
         out: dict[int, int] = {}
         lo = 0  # every worker still in ``alive`` holds blocks 0..lo
@@ -130,17 +154,6 @@ class LocalIndex:
         self._settle(alive, n, out)
         return out
 
-    def _holders(self, key: np.uint64) -> int:
-        """The bitmask of the slots holding block ``key``."""
-        base = self._keys
-        lo = int(base.searchsorted(key))
-        mask = 0
-        if lo < len(base) and base[lo] == key:
-            hi = int(base.searchsorted(key, "right"))
-            mask = _mask_of(self._slot_col[lo:hi])
-        k = int(key)
-        return (mask | self._added.get(k, 0)) & ~self._removed.get(k, 0)
-
     def _settle(self, mask: int, depth: int, out: dict[int, int]) -> None:
         """Record ``depth`` for every worker in ``mask``."""
         while mask:
@@ -155,124 +168,36 @@ class LocalIndex:
             self._slots[worker_id], self._ids[slot] = slot, worker_id
         return slot
 
-    def _in_base(self, keys: np.ndarray, slot: int) -> list[bool]:
-        """Whether each (key, ``slot``) entry is in the base."""
-        base, col = self._keys, self._slot_col
-        lo = base.searchsorted(keys)
-        hi = base.searchsorted(keys, "right")
-        out = [False] * len(keys)
-        for i in np.flatnonzero(hi > lo).tolist():
-            out[i] = bool((col[lo[i] : hi[i]] == slot).any())
-        return out
-
-    def _store(self, worker_id: int, hashes: tuple[bytes, ...]) -> None:
+    def _store(self, worker_id: int, hashes: tuple[bytes, ...], medium: str) -> None:
+        """Held now, in ``medium`` (the best tier the worker holds them in)."""
         slot = self._slot(worker_id)
-        bit, added, removed = 1 << slot, self._added, self._removed
-        keys = _keys_of(hashes)
-        for k, in_base in zip(keys.tolist(), self._in_base(keys, slot), strict=True):
-            if in_base:
-                gone = removed.get(k, 0)
-                if gone & bit:  # stored again: the base entry holds once more
-                    _set(removed, k, gone & ~bit)
-                    self._delta -= 1
-            else:
-                new = added.get(k, 0)
-                if not new & bit:
-                    added[k] = new | bit
-                    self._delta += 1
-        self._maybe_merge()
+        keys = keys_of(hashes)
+        self._held.store(slot, keys)
+        if medium != DEVICE and medium not in self._lower:
+            self._lower[medium] = PackedEntries(self)
+        for tier, table in self._lower.items():
+            if tier == medium:
+                table.store(slot, keys)
+            elif len(table):
+                table.remove(slot, keys)
 
     def _remove(self, worker_id: int, hashes: tuple[bytes, ...]) -> None:
         slot = self._slots.get(worker_id)
         if slot is None:  # nothing stored yet (a worker's blocks and slot come together)
             return
-        bit, added, removed = 1 << slot, self._added, self._removed
-        keys = _keys_of(hashes)
-        for k, in_base in zip(keys.tolist(), self._in_base(keys, slot), strict=True):
-            new = added.get(k, 0)
-            if new & bit:
-                _set(added, k, new & ~bit)
-                self._delta -= 1
-            elif in_base:
-                gone = removed.get(k, 0)
-                if not gone & bit:
-                    removed[k] = gone | bit
-                    self._delta += 1
-        self._maybe_merge()
+        keys = keys_of(hashes)
+        for table in (self._held, *self._lower.values()):
+            if table is self._held or len(table):
+                table.remove(slot, keys)
 
     def _clear(self, slot: int) -> None:
-        """Every entry of ``slot``, in the base and the delta."""
-        if slot < len(self._base_count) and self._base_count[slot]:  # else nothing to scan
-            keep = self._slot_col != slot
-            self._keys, self._slot_col = self._keys[keep], self._slot_col[keep]
-            self._base_count[slot] = 0
-        bit = 1 << slot
-        for table in (self._added, self._removed):
-            for k in [k for k, m in table.items() if m & bit]:
-                _set(table, k, table[k] & ~bit)
-        self._delta = sum(m.bit_count() for t in (self._added, self._removed) for m in t.values())
-
-    def _maybe_merge(self) -> None:
-        if self._delta > max(self.MERGE_MIN, self.MERGE_SHARE * len(self._keys)):
-            self._merge()
+        for table in (self._held, *self._lower.values()):
+            table.clear(slot)
 
     def _merge(self) -> None:
-        """The delta into the base: removed entries masked out, new ones inserted in order."""
-        keys, col = self._keys, self._slot_col
-        if self._removed:
-            drop = np.zeros(len(keys), dtype=bool)
-            gone = np.fromiter(self._removed, dtype=np.uint64, count=len(self._removed))
-            lo, hi = keys.searchsorted(gone), keys.searchsorted(gone, "right")
-            for i, mask in enumerate(self._removed.values()):
-                start = int(lo[i])
-                for offset, slot in enumerate(col[start : int(hi[i])].tolist()):
-                    if mask >> slot & 1:
-                        drop[start + offset] = True
-            keys, col = keys[~drop], col[~drop]
-        if self._added:
-            new_keys, new_slots = [], []
-            for k, mask in self._added.items():
-                while mask:
-                    low = mask & -mask
-                    new_keys.append(k)
-                    new_slots.append(low.bit_length() - 1)
-                    mask ^= low
-            add_keys = np.array(new_keys, dtype=np.uint64)
-            order = add_keys.argsort(kind="stable")
-            add_keys = add_keys[order]
-            at = keys.searchsorted(add_keys)
-            keys = np.insert(keys, at, add_keys)
-            col = np.insert(col, at, np.array(new_slots, dtype=np.uint16)[order])
-        self._keys, self._slot_col = keys, col
-        self._base_count = np.bincount(col)
-        self._added, self._removed, self._delta = {}, {}, 0
-
-
-_KEY_DTYPE = np.dtype("<u8")
-
-
-def _keys_of(hashes: Iterable[bytes]) -> np.ndarray:
-    """Each digest's (or key's) first ``KEY`` bytes as a little-endian u64."""
-    return np.frombuffer(b"".join(h[:KEY] for h in hashes), dtype=_KEY_DTYPE)
-
-
-def _mask_of(slots: np.ndarray) -> int:
-    """The bitmask of a run of slots."""
-    if len(slots) <= 16:
-        mask = 0
-        for s in slots.tolist():
-            mask |= 1 << s
-        return mask
-    present = np.zeros(int(slots.max()) + 1, dtype=bool)
-    present[slots] = True
-    return int.from_bytes(np.packbits(present, bitorder="little").tobytes(), "little")
-
-
-def _set(table: dict[int, int], key: int, mask: int) -> None:
-    if mask:
-        table[key] = mask
-    else:
-        del table[key]
+        """Every table's delta into its base now."""
+        for table in (self._held, *self._lower.values()):
+            table.merge()
 
 
 class PredictedBlocks:

@@ -49,7 +49,13 @@ from prefixserve.router.index import (
     expect,
 )
 from prefixserve.router.redis_connection import CALL_DEADLINE, connect, unavailable
-from prefixserve.router.redis_records import key_tag, match_depths, tail_record, worker_code
+from prefixserve.router.redis_records import (
+    key_tag,
+    lower_blocks,
+    match_depths,
+    tail_record,
+    worker_code,
+)
 from prefixserve.router.worker_cache import WorkerCache
 
 log = logging.getLogger(__name__)
@@ -149,7 +155,7 @@ class RedisPrefixIndex:
         self, replica_id: str, *, epoch: int, block_size: int, fingerprint: str, node: str = ""
     ) -> int:
         """See :meth:`router.index.PrefixIndex.register`; ValueError when the model's hash tag
-        is another model's, RuntimeError when all 65,535 worker ids are taken."""
+        is another model's, RuntimeError when all 16,383 worker ids are taken."""
         if not 0 <= epoch < 2**53:  # Lua compares epochs as doubles
             raise ValueError(f"epoch must be in [0, 2**53), got {epoch}")
         keys = [self._k_reg, self._k_ids, self._k_live, self._k_rv, self._k_name]
@@ -227,7 +233,8 @@ class RedisPrefixIndex:
         cache.loads_version = lv
         if everything or changed:
             cache.take_loads(changed, everything)
-        return LookupResult(cache.matches(depth), walked, cache.by_replica, cache.ids)
+        lower = lower_blocks(segs, depth)
+        return LookupResult(cache.matches(depth, lower), walked, cache.by_replica, cache.ids)
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:
         """Predicted entries expire after ``predict_ttl_s`` (Redis clock). Blocks up to

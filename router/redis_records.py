@@ -51,13 +51,53 @@ def worker_code(worker_id: int) -> bytes:
     return worker_id.to_bytes(2, "big")
 
 
+# A holder's code: its worker id in the low 14 bits, the tier it holds the block in (0 the
+# pool, 1 host memory, 2 disk) in the top two (router/lua/_blocks.lua).
+ID_BITS = 14
+ID_MASK = (1 << ID_BITS) - 1
+
+
 @lru_cache(maxsize=4096)
 def _ids(packed: bytes) -> frozenset[int]:
-    """The ids packed in a lookup's reply, remembered: the same holders come back lookup after
-    lookup (every worker, for a shared system prompt), and at 64 workers reading them again
-    cost more than the rest of a reply's decoding."""
-    return frozenset(int.from_bytes(packed[k : k + 2], "big")
+    """The worker ids packed in a lookup's reply, remembered: the same holders come back lookup
+    after lookup (every worker, for a shared system prompt), and at 64 workers reading them
+    again cost more than the rest of a reply's decoding."""
+    return frozenset(int.from_bytes(packed[k : k + 2], "big") & ID_MASK
                      for k in range(0, len(packed) - 1, 2))
+
+
+@lru_cache(maxsize=4096)
+def _lower(packed: bytes) -> dict[int, int]:
+    """The holders in a reply's holder string that hold the block below the pool: id -> tier
+    (1 host, 2 disk). Empty, and cheap, for a fleet without KV tiers."""
+    out = {}
+    for k in range(0, len(packed) - 1, 2):
+        code = int.from_bytes(packed[k : k + 2], "big")
+        if code >> ID_BITS:
+            out[code & ID_MASK] = code >> ID_BITS
+    return out
+
+
+def lower_blocks(changes: Sequence[int | bytes], depths: dict[int, tuple[int, int]],
+                 ) -> dict[int, tuple[int, int]]:
+    """Each matched worker's confirmed blocks held below the pool, (host, disk), from the
+    holders at every change (``WorkerMatch.lower_blocks``); workers with none are left out."""
+    below: dict[int, int] = {}  # id -> first block (1-based) held below the pool
+    on_disk: dict[int, int] = {}  # id -> first block held on disk
+    for k in range(0, len(changes) - 1, 2):
+        for wid, tier in _lower(bytes(changes[k + 1])).items():
+            start = int(changes[k])
+            below.setdefault(wid, start)
+            if tier == 2:
+                on_disk.setdefault(wid, start)
+    out = {}
+    for wid, first in below.items():
+        depth = depths.get(wid, (0, 0))[0]
+        pool = min(depth, first - 1)
+        host = min(depth, on_disk.get(wid, depth + 1) - 1) - pool
+        if depth > pool:
+            out[wid] = (max(0, host), depth - pool - max(0, host))
+    return out
 
 
 def match_depths(

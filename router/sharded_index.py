@@ -43,7 +43,7 @@ from prefixserve.router.index import (
 
 logger = logging.getLogger(__name__)
 
-GROUP_SPAN = 1 << 16  # a store's worker ids are 1..65535
+GROUP_SPAN = 1 << 16  # a store's worker ids are 1..16383 (fit in 16 bits)
 T = TypeVar("T")
 
 

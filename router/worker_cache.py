@@ -84,16 +84,19 @@ class WorkerCache:
             self._decode_load(wid, raw)
         self._publish_loads()
 
-    def matches(self, depth: Mapping[int, tuple[int, int]]) -> dict[str, WorkerMatch]:
-        """The known workers among matched ids (confirmed, predicted depth), with their loads."""
+    def matches(self, depth: Mapping[int, tuple[int, int]],
+                lower: Mapping[int, tuple[int, int]] | None = None) -> dict[str, WorkerMatch]:
+        """The known workers among matched ids (confirmed, predicted depth; ``lower``: their
+        blocks below the pool, where some are), with their loads."""
         matches = {}
         for wid, (confirmed, predicted) in depth.items():
             info = self.workers.get(wid)
             if info is not None:
                 cached = self._loads.get(wid)
                 load = cached[1] if cached else None
-                matches[info.replica_id] = WorkerMatch(wid, info.replica_id, confirmed,
-                                                       predicted, load)
+                matches[info.replica_id] = WorkerMatch(
+                    wid, info.replica_id, confirmed, predicted, load,
+                    lower.get(wid, (0, 0)) if lower else (0, 0))
         return matches
 
     def forget(self, worker_id: int) -> None:

@@ -174,7 +174,7 @@ async def test_garbage_in_the_registry(index: RedisPrefixIndex, raw) -> None:
     raw.sadd(key(index, "reg"), "junk", "-5", "70000")
     c = await index.register("C", epoch=1, block_size=4, fingerprint="fp")
     d = await index.register("D", epoch=1, block_size=4, fingerprint="fp")
-    assert len({a, b, c, d}) == 4 and all(1 <= x <= 65535 for x in (c, d))
+    assert len({a, b, c, d}) == 4 and all(1 <= x <= 16383 for x in (c, d))
     await index.apply(EventBatch(c, 1, 1, (BlockStored(tuple(ch[:1])),)))
     assert await depths(index, ch) == {"A": 3, "B": 2, "C": 1}
     assert await index.gc() == 0  # junk ids are skipped, nobody live is collected

@@ -37,6 +37,10 @@ def depths(result: LookupResult) -> dict[str, tuple[int, int]]:
     return {name: (m.confirmed_depth, m.predicted_depth) for name, m in result.matches.items()}
 
 
+def lower(result: LookupResult) -> dict[str, tuple[int, int]]:
+    return {name: m.lower_blocks for name, m in result.matches.items() if any(m.lower_blocks)}
+
+
 def follower_of(index: PrefixIndex, **kw: float) -> IndexFollower:
     logs = event_logs(index)
     assert logs is not None
@@ -74,13 +78,19 @@ async def same_answers(index: PrefixIndex, follower: IndexFollower, fleet: Fleet
         want = await index.lookup(query)
         got = follower.lookup(Chain.of(query))
         assert depths(got) == depths(want)
+        assert lower(got) == lower(want)
+        fleet.lower_seen += bool(lower(want))
         assert got.worker_ids == want.worker_ids
 
 
-@pytest.mark.parametrize("shards", [1, 2])
-async def test_a_follower_answers_as_the_index_does(redis_server: LocalRedis, shards: int) -> None:
+@pytest.mark.parametrize(("shards", "tiers"), [(1, False), (2, False), (1, True), (2, True)])
+async def test_a_follower_answers_as_the_index_does(redis_server: LocalRedis, shards: int,
+                                                    tiers: bool) -> None:
+    """With KV tiers too: each worker's blocks below its pool, by tier, come out the same from
+    the index's holder codes and from the follower's per-tier copy."""
     rng = random.Random(5 + shards)
-    fleet = Fleet(rng, workers=6, chains=3, length=200)
+    # with tiers one chain: a tier move leaves a shared head alone, and three chains share most
+    fleet = Fleet(rng, workers=6, chains=1 if tiers else 3, length=200, tiers=tiers)
     index = open_index(redis_server.url, f"fol-{uuid.uuid4().hex[:6]}", deadline_s=2.0,
                        settings=settings(shards=shards))
     early = follower_of(index)
@@ -96,6 +106,7 @@ async def test_a_follower_answers_as_the_index_does(redis_server: LocalRedis, sh
                 await same_answers(index, early, fleet)
         await same_answers(index, late, fleet)
         assert sum(len(q) for q in fleet.held.values()) > 0
+        assert (fleet.lower_seen > 0) == tiers
     finally:
         await index.close()
 

@@ -7,7 +7,7 @@ import random
 import uuid
 
 import pytest
-from fleetkit import Fleet, digests, reference
+from fleetkit import Fleet, digests, reference, reference_lower
 
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import Chain
@@ -207,3 +207,24 @@ def test_entries_count_what_the_base_and_the_delta_hold_together() -> None:
     index._merge()
     assert (len(index), index.nbytes) == (31, 310)
     assert index.depths(Chain.of(chain)) == {1: 27, 3: 4}
+
+
+@pytest.mark.parametrize("merge_min", [LocalIndex.MERGE_MIN, 0], ids=["delta", "always-merged"])
+@pytest.mark.parametrize("seed", range(4))
+def test_blocks_below_the_pool_equal_a_block_by_block_walk(seed: int, merge_min: int) -> None:
+    """With KV tiers: chains' tails move to host memory or disk and back; each worker's depth
+    is every tier's, and its (host, disk) blocks are what the reference says."""
+    rng = random.Random(100 + seed)
+    fleet, index = Fleet(rng, workers=7, chains=4, length=120, tiers=True), LocalIndex()
+    index.MERGE_MIN, index.MERGE_SHARE = merge_min, 0.0 if merge_min == 0 else 0.05
+    lower_seen = 0
+    for _ in range(1200):
+        worker, events = fleet.step()
+        index.apply(worker, events)
+        query = fleet.query()
+        depths = index.depths(Chain.of(query))
+        assert depths == reference(fleet.held, query)
+        lower = index.lower_blocks(Chain.of(query), depths)
+        assert lower == reference_lower(fleet.held, fleet.medium, query)
+        lower_seen += bool(lower)
+    assert lower_seen > 20  # the walk did meet blocks below the pools

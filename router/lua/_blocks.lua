@@ -1,11 +1,19 @@
 -- Block-set primitives over a blob of records (16-byte digests from events, KEY-byte keys
 -- from reverse indexes), keyed by each record's first KEY bytes, in chunks of at most 256
 -- keys per call.
+-- A block's value packs its holders' 2-byte codes: the worker id (below 2^14) with the tier
+-- it holds the block in in the top two bits (0 the device pool, 1 host memory, 2 disk).
 --#include _key.lua
 local CHUNK = 256
 
 local function code_of(id)
   return struct.pack('>H', tonumber(id))
+end
+
+-- worker code c at tier t (0, 1, 2)
+local function tiered(c, t)
+  if t == 0 then return c end
+  return string.char(string.byte(c, 1) + 64 * t) .. string.sub(c, 2, 2)
 end
 
 local function has(v, code)
@@ -14,11 +22,31 @@ local function has(v, code)
   return p ~= nil
 end
 
+-- the code the worker with code c holds a block by in v, at whatever tier, or nil
+local function held_as(v, c)
+  if not v then return nil end
+  for t = 0, 2 do
+    local tc = tiered(c, t)
+    if has(v, tc) then return tc end
+  end
+  return nil
+end
+
 local function without(v, code)
   local parts = {}
   for k = 1, #v, 2 do
     local c = string.sub(v, k, k + 1)
     if c ~= code then parts[#parts + 1] = c end
+  end
+  return table.concat(parts)
+end
+
+-- v with the 2-byte code old replaced by new, in place (the holders keep their order)
+local function swapped(v, old, new)
+  local parts = {}
+  for k = 1, #v, 2 do
+    local c = string.sub(v, k, k + 1)
+    parts[#parts + 1] = c == old and new or c
   end
   return table.concat(parts)
 end
@@ -36,19 +64,26 @@ local function each_chunk(bkey, blob, size, fn)
   end
 end
 
--- adds the worker to every block of the blob; returns the keys it newly holds
-local function add_blocks(bkey, code, blob, size)
+-- adds the worker (code) at tier code tcode to every block of the blob (one it holds at
+-- another tier moves to this one); returns the keys it newly holds
+local function add_blocks(bkey, code, blob, size, tcode)
   local added, seen = {}, {}
   each_chunk(bkey, blob, size, function(digests, vals)
     local kv = {}
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
       if v and #v % 2 == 1 then v = nil end  -- junk, not 2-byte ids: overwrite it
-      if not seen[d] and not (v and has(v, code)) then
+      if not seen[d] then
         seen[d] = true
-        kv[#kv + 1] = d
-        kv[#kv + 1] = v and v .. code or code
-        added[#added + 1] = d
+        local held = held_as(v, code)
+        if not held then
+          kv[#kv + 1] = d
+          kv[#kv + 1] = v and v .. tcode or tcode
+          added[#added + 1] = d
+        elseif held ~= tcode then
+          kv[#kv + 1] = d
+          kv[#kv + 1] = swapped(v, held, tcode)
+        end
       end
     end
     if #kv > 0 then redis.call('HSET', bkey, unpack(kv)) end
@@ -66,14 +101,15 @@ local function remove_blocks(bkey, code, blob, size)
       if v and #v % 2 == 1 and not seen[d] then  -- junk, not 2-byte ids: drop the field
         seen[d] = true
         dels[#dels + 1] = d
-      elseif v and not seen[d] and has(v, code) then
+      elseif v and not seen[d] and held_as(v, code) then
         seen[d] = true
         removed = removed + 1
-        if v == code then
+        local held = held_as(v, code)
+        if v == held then
           dels[#dels + 1] = d
         else
           kv[#kv + 1] = d
-          kv[#kv + 1] = without(v, code)
+          kv[#kv + 1] = without(v, held)
         end
       end
     end
@@ -89,7 +125,7 @@ local function held_blocks(bkey, code, blob)
   each_chunk(bkey, blob, KEY, function(digests, vals)
     for j = 1, #digests do
       local d, v = digests[j], vals[j]
-      if v and not seen[d] and has(v, code) then
+      if v and not seen[d] and held_as(v, code) then
         seen[d] = true
         keep[#keep + 1] = d
       end

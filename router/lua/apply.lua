@@ -19,6 +19,7 @@ if seq ~= last + 1 then
   return RESYNC_NEEDED
 end
 local bkey, code, ops, rkey = ARGV[1] .. 'B', code_of(ARGV[2]), ARGV[5], KEYS[2]
+local TIERS = {S = 0, H = 1, D = 2}
 local n = tonumber(st[4]) or 0
 local pos, len = 1, #ops
 while pos <= len do
@@ -27,7 +28,7 @@ while pos <= len do
   local blob = string.sub(ops, pos + 5, pos + 4 + cnt * 16)
   pos = pos + 5 + cnt * 16
   if op == 'S' or op == 'H' or op == 'D' then
-    local added = add_blocks(bkey, code, blob, 16)
+    local added = add_blocks(bkey, code, blob, 16, tiered(code, TIERS[op]))
     if #added > 0 then redis.call('APPEND', rkey, table.concat(added)) end
     n = n + #added
   elseif op == 'R' then

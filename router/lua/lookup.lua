@@ -1,7 +1,8 @@
 -- KEYS: live, load, rv, lv, tails, lz   ARGV: pfx, chain (16-byte digests), the caller's load
 --   version ('' for none)
 -- -> msgpack of {rv, the workers holding block 1: confirmed (but for lapsed leases) and, if
---     live, predicted or by a tail (2-byte ids; the client drops ids it does not know live),
+--     live, predicted or by a tail (2-byte codes, confirmed ones with their tier bits; the
+--     client drops ids it does not know live),
 --     {block, holders, block, holders, ...}: where the confirmed holders change along the walk,
 --     from block 1 ('' holders: nobody from there on), per rider 2-byte id | u32 predicted
 --     depth, lv, {2-byte id, load, ...} of the loads changed since the caller's version, 1 when
@@ -28,15 +29,27 @@ local nblocks = #chain / 16
 
 local function field(j) return string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY) end
 
--- is the 2-byte id c among the ids packed in v (at an even offset)?
-local function has(v, c)
-  if not v then return false end
+-- is the 2-byte code c among the codes packed in v (at an even offset)?
+local function has_code(v, c)
   local at = string.find(v, c, 1, true)
   while at do
     if at % 2 == 1 then return true end
     at = string.find(v, c, at + 1, true)
   end
   return false
+end
+
+-- does the worker of 2-byte id c hold v's block, at any tier (a code's top two bits: _blocks.lua)?
+local function has(v, c)
+  if not v then return false end
+  local b1, b2 = string.byte(c, 1), string.sub(c, 2, 2)
+  return has_code(v, c) or has_code(v, string.char(b1 + 64) .. b2)
+    or has_code(v, string.char(b1 + 128) .. b2)
+end
+
+-- the worker id of a code (its tier bits cleared)
+local function plain(c)
+  return string.char(string.byte(c, 1) % 64) .. string.sub(c, 2, 2)
 end
 
 -- block j's holders, read in growing chunks; reset() starts a new chunk at the next read
@@ -141,7 +154,7 @@ if nblocks >= 1 then
     local keep = {}
     for k = 1, #v - 1, 2 do
       local c = string.sub(v, k, k + 1)
-      if not lapsed[c] then keep[#keep + 1] = c end
+      if not lapsed[plain(c)] then keep[#keep + 1] = c end
     end
     v1 = table.concat(keep)
   end

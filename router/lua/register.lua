@@ -1,6 +1,6 @@
 -- KEYS: reg, ids, live, rv, name   ARGV: pfx, rid, epoch, bs, fp, node, ttl_ms, model
 -- -> {OK, id} | {STALE_EPOCH, registered_epoch} | {TAG_TAKEN, 0} (tag owned by another model)
---    | {IDS_EXHAUSTED, 0} (65,535 ids in use)
+--    | {IDS_EXHAUSTED, 0} (16,383 ids in use: a code's top two bits are its tier, _blocks.lua)
 --#include _now.lua
 --#include _codes.lua
 --#include _key.lua
@@ -11,7 +11,7 @@ if not owner then redis.call('SET', KEYS[5], ARGV[8]) end
 local expiry = now + tonumber(ARGV[7])
 local id = redis.call('HGET', KEYS[2], rid)
 local nid = tonumber(id)
-if id and not (nid and nid == math.floor(nid) and nid >= 1 and nid <= 65535
+if id and not (nid and nid == math.floor(nid) and nid >= 1 and nid <= 16383
                and redis.call('SISMEMBER', KEYS[1], id) == 1) then
   redis.log(redis.LOG_WARNING, 'prefix index: junk id for ' .. rid .. ' dropped')
   redis.call('HDEL', KEYS[2], rid)
@@ -41,7 +41,7 @@ if id then
 end
 local i = 1
 while redis.call('SISMEMBER', KEYS[1], i) == 1 do i = i + 1 end
-if i > 65535 then return {IDS_EXHAUSTED, 0} end
+if i > 16383 then return {IDS_EXHAUSTED, 0} end
 redis.call('SADD', KEYS[1], i)
 redis.call('HSET', KEYS[2], rid, i)
 local w = pfx .. 'w:' .. i
