@@ -82,6 +82,9 @@ class WorkerLoad:
     kv_empty_blocks: int = 0  # free blocks holding no cached prefix: filling them evicts nothing
     busy_share: float = 0.0  # of recent time spent in steps: ties go to the least busy
     kv_total_blocks: int = 0  # the pool's size: how full it is prices the room a request takes
+    # how fast it loads KV from its tiers below the pool (measured; 0: none yet, or no tier)
+    host_load_tokens_per_s: float = 0.0
+    disk_load_tokens_per_s: float = 0.0
 
 
 def pack_digests(digests: Sequence[bytes]) -> bytes:

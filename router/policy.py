@@ -17,6 +17,8 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
                  + eviction_weight * fill_w * uncached_w / prefill_rate_ref
                  + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
                  + adapter_w     (the request's LoRA adapter missing there: router.adapter_slots)
+                 + host_w / host_load_rate_w + disk_w / disk_load_rate_w
+                                 (of cached_w, the tokens below its pool: KV tiers)
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
 unmeasured worker is assumed as fast as the measured mean). The second is this request's own
@@ -32,7 +34,11 @@ rather than the few workers that hold a shared system prompt; counting only the 
 room would say nothing until those few were full, and by then their conversations would be
 evicting each other. Once every pool is full it weighs every worker's uncached tokens alike.
 The fourth is the decode steps interleaved with it; the measured decode rate is floored at the
-default because at small batches it overstates what one more batched sequence costs.
+default because at small batches it overstates what one more batched sequence costs. The last
+prices a cached prefix by where it is: blocks in a worker's pool cost nothing, blocks in its
+host memory or on its disk (``WorkerMatch.lower_blocks``) the time to load them, at the rate
+the worker measured (else the default): cheaper than recomputing by orders of magnitude, so a
+lower tier still wins over no cache, and a pool's copy over a lower one at equal load.
 
 Why this instead of SGLang's global imbalance gate (abs 64 / rel 1.5 over all workers)? The
 gate is global: one overloaded worker switches affinity off for every request, scattering
@@ -92,6 +98,12 @@ class PolicyConfig:
     eviction_weight: float = _weight(
         0.5, "Cost of the room an uncached token takes, in token-times at a full KV pool (in "
         "proportion to how full it is): the cached token it displaces may be asked for again")
+    default_host_load_tokens_per_s: float = _weight(
+        200_000.0, "KV tokens a second a worker loads from its host tier, until it has "
+        "measured its own")
+    default_disk_load_tokens_per_s: float = _weight(
+        20_000.0, "KV tokens a second a worker loads from its disk tier, until it has "
+        "measured its own")
     adapter_miss_s: float = _weight(
         0.05, "Least cost, in seconds, of a request whose LoRA adapter a worker must load "
         "into a full set of batch slots: the load, the adapter it evicts, the wait for a slot")
@@ -101,7 +113,8 @@ class PolicyConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
-        if self.default_prefill_tokens_per_s <= 0 or self.default_decode_tokens_per_s <= 0:
+        if min(self.default_prefill_tokens_per_s, self.default_decode_tokens_per_s,
+               self.default_host_load_tokens_per_s, self.default_disk_load_tokens_per_s) <= 0:
             raise ValueError("default rates must be > 0")
         if not 0.0 <= self.predicted_credit <= 1.0:
             raise ValueError("predicted_credit must be in [0, 1]")
@@ -125,6 +138,7 @@ class WorkerView:
     pending_prefill_tokens: int = 0  # routed here by this router after `load` was reported
     pending_requests: int = 0
     queue_len: int | None = None  # Serve's count of ongoing requests (fallback when no load)
+    lower_blocks: tuple[int, int] = (0, 0)  # of confirmed_depth, blocks in host memory, on disk
 
 
 @dataclass(slots=True)
@@ -163,7 +177,7 @@ _UNREPORTED = WorkerLoad(busy_share=1.0)
 # The load fields the cost model reads, in one float row per worker: one array for the fleet.
 _LOAD_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "queued_prefill_tokens",
                 "num_running", "kv_empty_blocks", "num_waiting", "busy_share",
-                "kv_total_blocks")
+                "kv_total_blocks", "host_load_tokens_per_s", "disk_load_tokens_per_s")
 _LOAD_COLUMNS = attrgetter(*_LOAD_FIELDS)
 
 
@@ -216,6 +230,8 @@ class Fleet:
     adapter_s: Sequence[float] = ()
     # load_rows(loads), when the caller keeps them (LoadRows); None: read from loads
     rows: np.ndarray | None = None
+    # each worker's (host, disk) blocks of its confirmed depth; empty: all in the pools
+    lower: Sequence[tuple[int, int]] = ()
 
     @classmethod
     def of_rows(cls, rows: Sequence[tuple[str, int, int, WorkerLoad | None, int, int, int]],
@@ -226,9 +242,12 @@ class Fleet:
 
     @classmethod
     def of(cls, views: Sequence[WorkerView]) -> Fleet:
-        return cls.of_rows([(v.key, v.confirmed_depth, v.predicted_depth, v.load,
-                             v.pending_prefill_tokens, v.pending_requests, v.queue_len or 0)
-                            for v in views])
+        fleet = cls.of_rows([(v.key, v.confirmed_depth, v.predicted_depth, v.load,
+                              v.pending_prefill_tokens, v.pending_requests, v.queue_len or 0)
+                             for v in views])
+        if any(any(v.lower_blocks) for v in views):
+            fleet.lower = [v.lower_blocks for v in views]
+        return fleet
 
 
 class Ranking:
@@ -276,8 +295,8 @@ def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: Poli
     """Every worker's cost as arrays over the fleet (``table``: its load rows): a router scores
     every replica on every decision, and one interpreted pass per worker cost ~6 ms a decision
     at 1,000 workers."""
-    prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total = (
-        table.T)
+    (prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total,
+     host_rate, disk_rate) = table.T
     confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
     cached = _cached(confirmed, predicted, num_prompt_tokens, config)
     uncached = num_prompt_tokens - cached
@@ -296,10 +315,23 @@ def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: Poli
     cost += config.decode_weight * running / decode_rate
     if len(fleet.adapter_s):
         cost += np.asarray(fleet.adapter_s, dtype=float)
+    if len(fleet.lower):
+        cost += _load_s(fleet.lower, cached, host_rate, disk_rate, config)
     new_tokens = num_prompt_tokens - np.minimum(depth * config.block_size, num_prompt_tokens - 1)
     idle = (waiting == 0) & (reported_queue == 0) & (pending == 0)
     busy = np.where(idle, np.minimum(busy, 1.0), 1.0)
     return _Costs(cost, cached, uncached, depth, new_tokens, busy)
+
+
+def _load_s(lower: Sequence[tuple[int, int]], cached: np.ndarray, host_rate: np.ndarray,
+            disk_rate: np.ndarray, config: PolicyConfig) -> np.ndarray:
+    """Seconds to load each worker's cached tokens that are below its pool (disk: the tail)."""
+    blocks = np.asarray(lower, dtype=float).reshape(-1, 2) * config.block_size
+    host = np.minimum(blocks[:, 0], cached)
+    disk = np.minimum(blocks[:, 1], cached - host)
+    host_rate = np.where(host_rate > 0, host_rate, config.default_host_load_tokens_per_s)
+    disk_rate = np.where(disk_rate > 0, disk_rate, config.default_disk_load_tokens_per_s)
+    return host / host_rate + disk / disk_rate
 
 
 def score(

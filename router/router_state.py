@@ -161,11 +161,15 @@ class RouterState:
         keys = [c.key for c in candidates]
         at = {k: i for i, k in enumerate(keys)}  # a decision's work per candidate is a list slot
         confirmed, predicted = [0] * len(keys), [0] * len(keys)
+        lower: list[tuple[int, int]] = []  # (host, disk) blocks per candidate, where any are
         if result is not None:
             ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
             for worker, match in result.matches.items():
                 if (i := at.get(worker)) is not None:
                     confirmed[i], predicted[i] = match.confirmed_depth, match.predicted_depth
+                    if match.lower_blocks != (0, 0):
+                        lower = lower or [(0, 0)] * len(keys)
+                        lower[i] = match.lower_blocks
         for worker, depth in (self.local.depths(ctx.chain, now) if ctx.chain else {}).items():
             if (i := at.get(worker)) is not None:
                 predicted[i] = max(predicted[i], depth)
@@ -175,7 +179,8 @@ class RouterState:
             ctx.adapter, [(c.key, c.routing_stats) for c in candidates], now,
             self.settings.weights.adapter_miss_s)
         fleet = Fleet(keys, confirmed, predicted, loads, tokens, count,
-                      [c.queue_len or 0 for c in candidates], adapter_s, self.load_rows.of(loads))
+                      [c.queue_len or 0 for c in candidates], adapter_s, self.load_rows.of(loads),
+                      lower)
         deepest = max(max(confirmed, default=0), max(predicted, default=0))
         ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
                        tie_key(ctx, deepest))

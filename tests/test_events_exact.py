@@ -53,7 +53,8 @@ def test_pack_digests_message(digests: list[bytes]) -> None:
 def test_load_round_trip_is_exact_and_typed() -> None:
     load = WorkerLoad(num_running=3, num_waiting=1, queued_prefill_tokens=640, kv_usage=0.25,
                       prefill_tokens_per_s=4100.5, decode_tokens_per_s=900.0, timestamp=12.5,
-                      kv_empty_blocks=77, busy_share=0.375, kv_total_blocks=900)
+                      kv_empty_blocks=77, busy_share=0.375, kv_total_blocks=900,
+                      host_load_tokens_per_s=250000.0, disk_load_tokens_per_s=18000.5)
     assert decode_load(encode_load(load)) == load
     assert type(decode_load(encode_load(load)).kv_empty_blocks) is int
     assert type(decode_load(encode_load(load)).kv_total_blocks) is int
@@ -61,7 +62,8 @@ def test_load_round_trip_is_exact_and_typed() -> None:
         "type": "load", "num_running": 3, "num_waiting": 1, "queued_prefill_tokens": 640,
         "kv_usage": 0.25, "prefill_tokens_per_s": 4100.5, "decode_tokens_per_s": 900.0,
         "timestamp": 12.5, "kv_empty_blocks": 77, "busy_share": 0.375,
-        "kv_total_blocks": 900,
+        "kv_total_blocks": 900, "host_load_tokens_per_s": 250000.0,
+        "disk_load_tokens_per_s": 18000.5,
     }
 
 

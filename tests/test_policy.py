@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 
@@ -246,3 +247,39 @@ def test_rank_rejects_empty_prompt_and_handles_no_workers() -> None:
         rank(0, [WorkerView("a")], CFG)
     with pytest.raises(ValueError):
         PolicyConfig(predicted_credit=1.5)
+
+
+def test_a_prefix_is_priced_by_the_tier_that_holds_it() -> None:
+    """Three workers at equal load: one holds the prefix in its pool, one on disk, one not at
+    all. The pool's copy is free, the disk's costs its load at the worker's measured rate,
+    recomputing costs the weighted prefill: the ranking follows those costs."""
+    disk_rate = 8000.0  # tokens a second, as the worker measured its loads
+    workers = [
+        WorkerView("none", load=load(running=2)),
+        WorkerView("disk", confirmed_depth=20, lower_blocks=(0, 20),
+                   load=replace(load(running=2), disk_load_tokens_per_s=disk_rate)),
+        WorkerView("pool", confirmed_depth=20, load=load(running=2)),
+    ]
+    ranking = rank(PROMPT, workers, CFG, b"k")
+    assert [s.key for s in ranking] == ["pool", "disk", "none"]
+    cost = {s.key: s.cost_s for s in ranking}
+    assert cost["disk"] - cost["pool"] == pytest.approx(320 / disk_rate)
+    assert cost["none"] - cost["pool"] == pytest.approx(
+        CFG.uncached_weight * 320 / 4000.0 + CFG.eviction_weight * 320 / 4000.0)
+    # the disk worker's cached tokens are still cached: its prefill is the question only
+    assert ranking[1].cached_tokens == 320 and ranking[1].uncached_tokens == PROMPT - 320
+
+
+def test_host_blocks_load_at_the_host_rate_and_unmeasured_rates_default() -> None:
+    half = WorkerView("half", confirmed_depth=20, lower_blocks=(5, 5), load=load())
+    pool = WorkerView("pool", confirmed_depth=20, load=load())
+    cost = {s.key: s.cost_s for s in rank(PROMPT, [half, pool], CFG, b"k")}
+    assert cost["half"] - cost["pool"] == pytest.approx(
+        80 / CFG.default_host_load_tokens_per_s + 80 / CFG.default_disk_load_tokens_per_s)
+    # blocks below the pool past the cached tokens (the last prompt token is computed) do not
+    # cost: a 3-block prompt caches 2 blocks, both on disk here
+    short = WorkerView("short", confirmed_depth=3, lower_blocks=(0, 3), load=load())
+    (s,) = rank(48, [short], CFG, b"k")
+    assert s.cached_tokens == 47
+    bare = rank(48, [WorkerView("short", confirmed_depth=3, load=load())], CFG, b"k")[0]
+    assert s.cost_s - bare.cost_s == pytest.approx(47 / CFG.default_disk_load_tokens_per_s)

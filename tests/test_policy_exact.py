@@ -102,7 +102,7 @@ def test_config_accepts_the_bounds(fields_: dict[str, float]) -> None:
 def test_kept_load_rows_are_read_again_only_where_a_load_changed() -> None:
     a, b, c = (WorkerLoad(num_running=n, prefill_tokens_per_s=1000.0 * n) for n in (1, 2, 3))
     rows = LoadRows()
-    assert rows.of([]).shape == (0, 8)
+    assert rows.of([]).shape == (0, 10)
     first = rows.of([a, None, b])
     assert (first == load_rows([a, None, b])).all()
     assert first[1].tolist() == load_rows([WorkerLoad(busy_share=1.0)])[0].tolist()

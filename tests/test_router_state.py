@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -308,6 +309,19 @@ def test_rank_credits_the_index_and_records_the_depths() -> None:
     assert ctx.confirmed == {"a": 0, "b": 6, "c": 2}
     assert ctx.depth == {"a": 0, "b": 6, "c": 2}
     assert ctx.new_tokens == {"a": 99, "b": 3, "c": 99 - 32}
+
+
+def test_rank_prices_the_blocks_a_lookup_finds_below_a_pool() -> None:
+    """Two workers hold the prefix; the lookup says one holds it on disk: the other goes
+    first, and it flips when the lookup says the other's copy is the lower one."""
+    st = state()
+    for key, on_disk in enumerate(("b", "a")):
+        ctx = st.context(key, [*TOKENS_A, 1, 2, 3], None, now=0.0)
+        result = lookup(a=6, b=6)
+        result.matches[on_disk] = replace(result.matches[on_disk], lower_blocks=(0, 6))
+        ranking = st.rank(key, ctx, ABC, result, now=0.0)
+        assert ranking[0].key == ("a" if on_disk == "b" else "b")
+        assert ranking[0].cost_s < ranking[1].cost_s and ranking[1].key == on_disk
 
 
 def test_ties_break_on_the_first_block_no_worker_holds() -> None:

@@ -370,6 +370,7 @@ class EngineCore:
             external_tokens_queried=s.external_tokens_queried,
             external_tokens_hit=s.external_tokens_hit,
             tiers=None if self.tiers is None else self.tiers.snapshot(),
+            **({} if self.tiers is None else self.tiers.load_rates()),
         )
 
     def lora_stats(self) -> LoRAStats:

@@ -179,6 +179,8 @@ class EngineStats:
     external_tokens_queried: int = 0  # cumulative: prompt tokens looked up below the pool
     external_tokens_hit: int = 0  # and loaded from there
     tiers: TierCounters | None = None  # the KV tiers' byte, time and failure counts
+    host_load_tokens_per_s: float = 0.0  # measured loads from the host tier (0: none yet)
+    disk_load_tokens_per_s: float = 0.0
 
     def load(self, timestamp: float) -> WorkerLoad:
         """The load report routers read; ``timestamp`` is when these stats were taken (routers
@@ -193,6 +195,8 @@ class EngineStats:
             kv_empty_blocks=self.num_empty_blocks,
             kv_total_blocks=self.num_total_blocks,
             busy_share=self.busy_share,
+            host_load_tokens_per_s=self.host_load_tokens_per_s,
+            disk_load_tokens_per_s=self.disk_load_tokens_per_s,
             timestamp=timestamp,
         )
 

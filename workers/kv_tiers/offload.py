@@ -61,11 +61,14 @@ class TieredKV:
     """See the module docstring. Engine-thread only, like the pool it serves."""
 
     def __init__(self, kv: KVCacheManager, io: BlockIO | None, host: HostTier | None,
-                 disk: DiskTier | None, block_bytes: int) -> None:
+                 disk: DiskTier | None, block_bytes: int,
+                 rates: dict[str, float] | None = None) -> None:
         """`io` moves block contents (None: the simulator's tiers keep bookkeeping only);
-        `block_bytes` is one block's size, for the counters."""
+        `block_bytes` is one block's size, for the counters; `rates` are load rates (tokens
+        a second, by medium) to report instead of measured ones (the simulator's modelled)."""
         self.kv = kv
         self.block_bytes = block_bytes
+        self.rates = rates
         self.pool = kv.pool
         self.io = io
         self.host = host
@@ -109,6 +112,16 @@ class TieredKV:
         """The counters now, with the host tier's usage."""
         host = self.host
         return self.counters.snapshot(0.0 if host is None else len(host) / host.num_slots)
+
+    def load_rates(self) -> dict[str, float]:
+        """Tokens a second each tier has loaded at, from start to blocks in the pool, over
+        every load so far (``EngineStats``' ``host_``/``disk_load_tokens_per_s``)."""
+        if self.rates is not None:
+            return {f"{medium}_load_tokens_per_s": rate for medium, rate in self.rates.items()}
+        tokens_per_byte = self.kv.block_size / self.block_bytes
+        return {f"{medium}_load_tokens_per_s": self.counters.loaded_bytes[medium]
+                * tokens_per_byte / self.counters.load_s[medium]
+                for medium in (HOST, DISK) if self.counters.load_s.get(medium)}
 
     def hashes(self) -> list[bytes]:
         """Every block held below the pool."""

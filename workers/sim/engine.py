@@ -71,7 +71,9 @@ class SimEngine(EngineCore):
         self.profile = profile
         slots = int(config.kv_offloading_size * 2**30) // self.block_bytes
         if slots:  # the real engine's tiers, bookkeeping only: no contents to move
-            self.attach_tiers(TieredKV(self.kv, None, HostTier(slots), None, self.block_bytes))
+            rate = profile.host_load_bytes_per_s / profile.kv_bytes_per_token  # modelled
+            self.attach_tiers(TieredKV(self.kv, None, HostTier(slots), None, self.block_bytes,
+                                       rates={HOST: rate}))
         self._loaded_bytes = 0.0  # loaded from the host tier by the steps modelled so far
         self.sleep = sleep
         self.next_token = token_source or hashed_tokens(self.vocab_size)
