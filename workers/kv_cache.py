@@ -317,6 +317,8 @@ class KVCacheManager:
     def hold(self, seq_id: str, blocks: Sequence[Block], referenced: bool = False) -> None:
         """Keep `blocks` until `seq_id` is admitted or freed, taking a reference on each
         (`referenced`: the caller's, just allocated)."""
+        if not blocks:
+            return
         if not referenced:
             self.pool.touch(blocks)
         self.held.setdefault(seq_id, []).extend(blocks)
