@@ -56,7 +56,10 @@ def footprint(copy: LocalIndex | PlainCopy) -> int:
         total += sum(size(k) + size(v) for k, v in copy.holders.items())
         return total + sum(size(held) for held in copy.blocks.values())
     total = copy.nbytes
-    for table in (copy._added, copy._removed, copy._slots, copy._ids):
+    tables = [copy._slots, copy._ids]
+    for entries in (copy._held, *copy._lower.values()):  # each tier's delta
+        tables += [entries._added, entries._removed]
+    for table in tables:
         total += size(table) + sum(size(k) + size(v) for k, v in table.items())
     return total
 

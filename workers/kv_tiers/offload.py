@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -164,7 +164,9 @@ class TieredKV:
         if block_hash not in self.pool.cached:
             self._report((block_hash,))
 
-    def _to_disk(self, block_hash: bytes, data) -> None:
+    def _to_disk(self, block_hash: bytes, data: Callable[[], torch.Tensor]) -> None:
+        """Queue the block for disk, unless held there already (then only touched); ``data``
+        makes its copy, called only if it is written."""
         disk = self.disk
         assert disk is not None
         if block_hash in disk:
