@@ -77,18 +77,23 @@ def header(magic: bytes = MAGIC, key: bytes = KEY, h: bytes = H, n: int = len(PA
     return HEADER.pack(magic, key, h, n, zlib.crc32(PAYLOAD) if crc is None else crc)
 
 
-@pytest.mark.parametrize(("raw", "size", "reason"), [
-    (header()[:-1], HEADER.size + len(PAYLOAD), "truncated"),  # a header cut short
-    (header(magic=b"PSKV2\0"), HEADER.size + len(PAYLOAD), "corrupt"),
-    (header(key=bytes(16)), HEADER.size + len(PAYLOAD), "layout"),
-    (header(h=bytes(16)), HEADER.size + len(PAYLOAD), "corrupt"),
-    (header(), HEADER.size + len(PAYLOAD) - 1, "truncated"),
-    (header(), HEADER.size + len(PAYLOAD) + 1, "truncated"),
+@pytest.mark.parametrize(("raw", "size", "reason", "says"), [
+    (header()[:-1], HEADER.size + len(PAYLOAD), "truncated", f"{HEADER.size - 1}-byte header"),
+    (header(magic=b"PSKV2\0"), HEADER.size + len(PAYLOAD), "corrupt", "not a block file"),
+    (header(key=bytes(16)), HEADER.size + len(PAYLOAD), "layout",
+     "written for another model or layout"),
+    (header(h=bytes(16)), HEADER.size + len(PAYLOAD), "corrupt", "holds another block"),
+    (header(), HEADER.size + len(PAYLOAD) - 1, "truncated",
+     f"{HEADER.size + len(PAYLOAD) - 1} bytes, header says {HEADER.size + len(PAYLOAD)}"),
+    (header(), HEADER.size + len(PAYLOAD) + 1, "truncated",
+     f"{HEADER.size + len(PAYLOAD) + 1} bytes, header says {HEADER.size + len(PAYLOAD)}"),
 ])
-def test_each_bad_header_fails_with_its_reason(raw: bytes, size: int, reason: str) -> None:
+def test_each_bad_header_fails_with_its_reason(raw: bytes, size: int, reason: str,
+                                               says: str) -> None:
     with pytest.raises(LoadFailed) as failed:
         check_header(raw, KEY, H, size)
     assert failed.value.reason == reason
+    assert str(failed.value) == f"{reason}: {says}"
 
 
 @pytest.mark.parametrize(("mangle", "reason"), [
@@ -111,14 +116,22 @@ def test_a_missing_file_or_a_payload_of_another_size_fails(tmp_path: Path) -> No
     with pytest.raises(LoadFailed) as missing:
         read_block(tmp_path / file_name(H), KEY, H, len(PAYLOAD))
     assert missing.value.reason == "missing"
+    assert str(missing.value) == f"missing: {tmp_path / file_name(H)}"
+    other = bytes(16)  # a whole file of another block under this block's name
+    write_block(tmp_path, KEY, other, memoryview(PAYLOAD))
+    (tmp_path / file_name(other)).rename(tmp_path / file_name(H))
+    with pytest.raises(LoadFailed) as swapped:
+        read_block(tmp_path / file_name(H), KEY, H, len(PAYLOAD))
+    assert swapped.value.reason == "corrupt"
+    (tmp_path / file_name(H)).unlink()
     write_block(tmp_path, KEY, H, memoryview(PAYLOAD))
     with pytest.raises(LoadFailed) as other:
         read_block(tmp_path / file_name(H), KEY, H, len(PAYLOAD) - 4)
-    assert other.value.reason == "layout" and "not 508" in str(other.value)
+    assert str(other.value) == "layout: payload of 512 bytes, not 508"
     (tmp_path / "dir.kv").mkdir()
     with pytest.raises(LoadFailed) as unreadable:
         read_block(tmp_path / "dir.kv", KEY, H, len(PAYLOAD))
-    assert unreadable.value.reason == "read_error"
+    assert unreadable.value.reason == "read_error" and "dir.kv" in str(unreadable.value)
 
 
 def test_a_load_failure_names_a_known_reason() -> None:
