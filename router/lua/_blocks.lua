@@ -1,35 +1,12 @@
 -- Block-set primitives over a blob of records (16-byte digests from events, KEY-byte keys
 -- from reverse indexes), keyed by each record's first KEY bytes, in chunks of at most 256
 -- keys per call.
--- A block's value packs its holders' 2-byte codes: the worker id (below 2^14) with the tier
--- it holds the block in in the top two bits (0 the device pool, 1 host memory, 2 disk).
 --#include _key.lua
+--#include _holders.lua
 local CHUNK = 256
 
 local function code_of(id)
   return struct.pack('>H', tonumber(id))
-end
-
--- worker code c at tier t (0, 1, 2)
-local function tiered(c, t)
-  if t == 0 then return c end
-  return string.char(string.byte(c, 1) + 64 * t) .. string.sub(c, 2, 2)
-end
-
-local function has(v, code)
-  local p = string.find(v, code, 1, true)
-  while p and p % 2 == 0 do p = string.find(v, code, p + 1, true) end
-  return p ~= nil
-end
-
--- the code the worker with code c holds a block by in v, at whatever tier, or nil
-local function held_as(v, c)
-  if not v then return nil end
-  for t = 0, 2 do
-    local tc = tiered(c, t)
-    if has(v, tc) then return tc end
-  end
-  return nil
 end
 
 local function without(v, code)
@@ -101,15 +78,17 @@ local function remove_blocks(bkey, code, blob, size)
       if v and #v % 2 == 1 and not seen[d] then  -- junk, not 2-byte ids: drop the field
         seen[d] = true
         dels[#dels + 1] = d
-      elseif v and not seen[d] and held_as(v, code) then
-        seen[d] = true
-        removed = removed + 1
+      elseif v and not seen[d] then
         local held = held_as(v, code)
-        if v == held then
-          dels[#dels + 1] = d
-        else
-          kv[#kv + 1] = d
-          kv[#kv + 1] = without(v, held)
+        if held then
+          seen[d] = true
+          removed = removed + 1
+          if v == held then
+            dels[#dels + 1] = d
+          else
+            kv[#kv + 1] = d
+            kv[#kv + 1] = without(v, held)
+          end
         end
       end
     end

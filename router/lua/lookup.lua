@@ -23,33 +23,16 @@
 --#include _now.lua
 --#include _tails.lua
 --#include _key.lua
+--#include _holders.lua
 local pfx, chain = ARGV[1], ARGV[2]
 local bkey = pfx .. 'B'
 local nblocks = #chain / 16
 
 local function field(j) return string.sub(chain, (j - 1) * 16 + 1, (j - 1) * 16 + KEY) end
 
--- is the 2-byte code c among the codes packed in v (at an even offset)?
-local function has_code(v, c)
-  local at = string.find(v, c, 1, true)
-  while at do
-    if at % 2 == 1 then return true end
-    at = string.find(v, c, at + 1, true)
-  end
-  return false
-end
-
--- does the worker of 2-byte id c hold v's block, at any tier (a code's top two bits: _blocks.lua)?
-local function has(v, c)
-  if not v then return false end
-  local b1, b2 = string.byte(c, 1), string.sub(c, 2, 2)
-  return has_code(v, c) or has_code(v, string.char(b1 + 64) .. b2)
-    or has_code(v, string.char(b1 + 128) .. b2)
-end
-
--- the worker id of a code (its tier bits cleared)
-local function plain(c)
-  return string.char(string.byte(c, 1) % 64) .. string.sub(c, 2, 2)
+-- does the worker of 2-byte code c hold v's block, at any tier?
+local function holds(v, c)
+  return held_as(v, c) ~= nil
 end
 
 -- block j's holders, read in growing chunks; reset() starts a new chunk at the next read
@@ -162,7 +145,7 @@ if nblocks >= 1 then
   for c in pairs(predicted_at(1)) do more[c] = true end
   for c in pairs(all_tails()) do more[c] = true end  -- workers with a sampled tail (few, if any)
   for c in pairs(more) do
-    if #c == 2 and not has(v, c) then ids[#ids + 1] = c end  -- anything else is junk
+    if #c == 2 and not holds(v, c) then ids[#ids + 1] = c end  -- anything else is junk
   end
   for s = 1, #ids, 256 do
     local part = {unpack(ids, s, math.min(#ids, s + 255))}
@@ -173,7 +156,7 @@ if nblocks >= 1 then
     end
   end
 end
-local function islive(c) return ridelive[c] or has(v1, c) end
+local function islive(c) return ridelive[c] or holds(v1, c) end
 
 local segs, riders, nr, dp, cover = {}, {}, 0, {}, {}
 -- a live worker out of the confirmed holders at block j rides on if a prediction or tail does
@@ -200,12 +183,12 @@ while (v1 ~= '' or #riding > 0) and j <= nblocks do
     for c in pairs(predicted_at(j)) do maybe[c] = true end
     for c in pairs(all_tails()) do maybe[c] = true end
     for c in pairs(maybe) do
-      if islive(c) and (j == 1 or has(prev, c)) and not has(v, c) then board(c, j) end
+      if islive(c) and (j == 1 or holds(prev, c)) and not holds(v, c) then board(c, j) end
     end
     conf, prev, since = v and true or false, v, j
   end
   for c in pairs(riders) do
-    if cover[c] < j and not has(v, c) and not predicted_at(j)[c] then
+    if cover[c] < j and not holds(v, c) and not predicted_at(j)[c] then
       local r = reach(c, j)
       if r >= j then
         cover[c] = r
