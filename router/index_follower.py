@@ -29,7 +29,7 @@ from prefixserve.router.blocks import DIGEST_BYTES, Chain
 from prefixserve.router.events import MEDIA, BlockStored, WorkerLoad, decode_events
 from prefixserve.router.index import EventLog, LogEntry, LookupResult, PrefixIndex, WorkerMatch
 from prefixserve.router.local_index import KEY, LocalIndex, PredictedBlocks
-from prefixserve.router.redis_records import ID_BITS, ID_MASK
+from prefixserve.router.redis_records import split_code
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex
 
 # Not Serve's logger: its records read Ray's runtime context, and a router's follower may
@@ -184,8 +184,8 @@ class IndexFollower:
             if len(ids) % 2:  # junk, not 2-byte codes (the index skips it too)
                 continue
             for k in range(0, len(ids), 2):
-                code = int.from_bytes(ids[k : k + 2], "big")
-                worker_id, tier = offset + (code & ID_MASK), code >> ID_BITS
+                worker_id, tier = split_code(int.from_bytes(ids[k : k + 2], "big"))
+                worker_id += offset
                 held.setdefault(worker_id, []).append(key)
                 if tier:
                     lower.setdefault((worker_id, tier), []).append(key)

@@ -57,6 +57,11 @@ ID_BITS = 14
 ID_MASK = (1 << ID_BITS) - 1
 
 
+def split_code(code: int) -> tuple[int, int]:
+    """A holder code (its 2 bytes as an int) as (worker id, tier)."""
+    return code & ID_MASK, code >> ID_BITS
+
+
 @lru_cache(maxsize=4096)
 def _ids(packed: bytes) -> frozenset[int]:
     """The worker ids packed in a lookup's reply, remembered: the same holders come back lookup
@@ -72,9 +77,9 @@ def _lower(packed: bytes) -> dict[int, int]:
     (1 host, 2 disk). Empty, and cheap, for a fleet without KV tiers."""
     out = {}
     for k in range(0, len(packed) - 1, 2):
-        code = int.from_bytes(packed[k : k + 2], "big")
-        if code >> ID_BITS:
-            out[code & ID_MASK] = code >> ID_BITS
+        wid, tier = split_code(int.from_bytes(packed[k : k + 2], "big"))
+        if tier:
+            out[wid] = tier
     return out
 
 
@@ -85,8 +90,8 @@ def lower_blocks(changes: Sequence[int | bytes], depths: dict[int, tuple[int, in
     below: dict[int, int] = {}  # id -> first block (1-based) held below the pool
     on_disk: dict[int, int] = {}  # id -> first block held on disk
     for k in range(0, len(changes) - 1, 2):
+        start = int(changes[k])
         for wid, tier in _lower(bytes(changes[k + 1])).items():
-            start = int(changes[k])
             below.setdefault(wid, start)
             if tier == 2:
                 on_disk.setdefault(wid, start)
@@ -94,9 +99,9 @@ def lower_blocks(changes: Sequence[int | bytes], depths: dict[int, tuple[int, in
     for wid, first in below.items():
         depth = depths.get(wid, (0, 0))[0]
         pool = min(depth, first - 1)
-        host = min(depth, on_disk.get(wid, depth + 1) - 1) - pool
-        if depth > pool:
-            out[wid] = (max(0, host), depth - pool - max(0, host))
+        if depth > pool:  # then pool = first - 1 <= the first disk block - 1: host >= 0
+            host = min(depth, on_disk.get(wid, depth + 1) - 1) - pool
+            out[wid] = (host, depth - pool - host)
     return out
 
 
