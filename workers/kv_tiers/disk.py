@@ -125,7 +125,8 @@ class DiskTier:
             if block_hash is None:
                 continue
             try:
-                size = entry.stat().st_size
+                stat = entry.stat()
+                size = stat.st_size
                 with open(entry.path, "rb") as f:
                     raw = f.read(HEADER.size)
                 if check_header(raw, self.key, block_hash, size) != self.block_bytes:
@@ -139,7 +140,7 @@ class DiskTier:
                 continue
             except OSError:
                 continue
-            found.append((entry.stat().st_mtime_ns, block_hash, size))
+            found.append((stat.st_mtime_ns, block_hash, size))
         for _, block_hash, size in sorted(found):
             self.files[block_hash] = size
             self.used_bytes += size
