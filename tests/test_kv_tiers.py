@@ -22,7 +22,7 @@ from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import DISK, HOST, BlockRemoved, BlockStored
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
-from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.engine_types import EngineConfig, GenerateOutput
 from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name
 from prefixserve.workers.kv_tiers.host import HostTier
 
@@ -66,6 +66,27 @@ def settle(eng: LLMEngine) -> None:
         eng.tiers.poll()
 
 
+def only_on_disk(eng: LLMEngine, prompt: list[int], n: int = 6) -> GenerateOutput:
+    """Serve ``prompt``, then evict its blocks from the pool (``n`` other prompts): they are
+    on disk only, written. Returns the first serving's output."""
+    (out,) = eng.generate([prompt], GREEDY)
+    settle(eng)
+    flood(eng, n)
+    settle(eng)
+    return out
+
+
+def cached_by_a_dead_worker(path: Path, folder: Path, start: int) -> tuple[LLMEngine, list[int]]:
+    """An engine that served a 41-token prompt with a disk tier in ``folder``, its writes
+    landed, then died (its folder's lock went with it); the engine and the prompt."""
+    first = engine(path, disk=folder)
+    (p,) = prompts(41, start=start)
+    first.generate([p], GREEDY)
+    settle(first)
+    first.tiers.close()
+    return first, p
+
+
 def test_a_prefix_evicted_to_host_comes_back_exact(llama) -> None:
     path, model = llama
     eng = engine(path, host_blocks=64)
@@ -93,10 +114,7 @@ def test_a_prefix_on_disk_comes_back_exact_under_chunked_prefill_and_forks(llama
     path, model = llama
     eng = engine(path, disk=tmp_path, max_num_batched_tokens=12)
     (p,) = prompts(37, start=9)
-    (cold,) = eng.generate([p], GREEDY)
-    settle(eng)
-    flood(eng)
-    settle(eng)
+    cold = only_on_disk(eng, p)
     assert eng.kv.computed_blocks(hashes_of(eng, p), len(p)) == []
     before = eng.stats()
     forks = SamplingParams(n=3, max_tokens=6, temperature=0, ignore_eos=True)
@@ -207,10 +225,7 @@ def test_a_bad_file_is_a_counted_miss_never_wrong_kv(llama, tmp_path, how, reaso
     path, model = llama
     eng = engine(path, disk=tmp_path)
     (p,) = prompts(41, start=11)
-    eng.generate([p], GREEDY)
-    settle(eng)
-    flood(eng)
-    settle(eng)
+    only_on_disk(eng, p)
     chain = hashes_of(eng, p)
     corrupt(eng.tiers.disk.folder, chain[4], how)
     (warm,) = eng.generate([p], GREEDY)
@@ -252,11 +267,7 @@ def test_the_disk_cap_holds_lru_first(llama, tmp_path) -> None:
 
 def test_warm_restart_on_the_same_folder(llama, tmp_path) -> None:
     path, model = llama
-    first = engine(path, disk=tmp_path)
-    (p,) = prompts(41, start=14)
-    first.generate([p], GREEDY)
-    settle(first)
-    first.tiers.close()  # the worker dies: its folder's lock goes with it
+    first, p = cached_by_a_dead_worker(path, tmp_path, start=14)
     events = []
     second = engine(path, disk=tmp_path)
     assert second.tiers.disk.folder == first.tiers.disk.folder
@@ -277,11 +288,7 @@ def test_warm_restart_on_the_same_folder(llama, tmp_path) -> None:
 
 def test_another_models_folder_is_ignored_with_one_log_line(llama, tmp_path, caplog) -> None:
     path, _ = llama
-    first = engine(path, disk=tmp_path)
-    (p,) = prompts(41, start=15)
-    first.generate([p], GREEDY)
-    settle(first)
-    first.tiers.close()
+    first, _ = cached_by_a_dead_worker(path, tmp_path, start=15)
     other = tmp_path / "other-model"
     write_checkpoint(other, "qwen2")
     with caplog.at_level(logging.INFO, logger="prefixserve.workers.kv_tiers.disk"):
@@ -302,11 +309,7 @@ def test_another_models_folder_is_ignored_with_one_log_line(llama, tmp_path, cap
 
 def test_a_write_cut_short_leaves_nothing_that_loads(llama, tmp_path) -> None:
     path, model = llama
-    first = engine(path, disk=tmp_path)
-    (p,) = prompts(41, start=16)
-    first.generate([p], GREEDY)
-    settle(first)
-    first.tiers.close()
+    first, p = cached_by_a_dead_worker(path, tmp_path, start=16)
     folder = first.tiers.disk.folder
     chain = hashes_of(first, p)
     # a writer killed mid-write: a partial temporary file, and (as if the disk lied) a
@@ -325,10 +328,7 @@ def test_abort_while_loading_frees_everything(llama, tmp_path) -> None:
     path, _ = llama
     eng = engine(path, disk=tmp_path)
     (p,) = prompts(41, start=17)
-    eng.generate([p], GREEDY)
-    settle(eng)
-    flood(eng)
-    settle(eng)
+    only_on_disk(eng, p)
     eng.add_request("r", p, GREEDY)
     eng.step()
     assert "r#0" in eng.scheduler.loading
@@ -357,10 +357,7 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     path, model = llama
     eng = engine(path, disk=tmp_path, num_blocks=14)
     p, q = prompts(40, 20, start=30)
-    eng.generate([p], GREEDY)
-    settle(eng)
-    flood(eng, n=2)
-    settle(eng)
+    only_on_disk(eng, p, n=2)
     gate = threading.Event()
     read = eng.tiers.disk._read_many
     eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
