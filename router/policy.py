@@ -12,9 +12,9 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
     uncached_w = P - cached_w
     room_w     = max(0, block_size * kv_empty_blocks_w - queued_prefill_w)
     fill_w     = 1 - room_w / (block_size * kv_total_blocks_w)   (1 when the pool size is unknown)
+    weight_w   = 1 + (uncached_weight - 1 + eviction_weight) * fill_w
     cost_w     = queued_prefill_w / prefill_rate_w
-                 + uncached_weight * uncached_w / prefill_rate_ref
-                 + eviction_weight * fill_w * uncached_w / prefill_rate_ref
+                 + weight_w * uncached_w / prefill_rate_ref
                  + decode_weight * running_w / max(decode_rate_w, default_decode_rate)
                  + adapter_w     (the request's LoRA adapter missing there: router.adapter_slots)
                  + host_w / host_load_rate_w + disk_w / disk_load_rate_w
@@ -22,23 +22,22 @@ Cost of sending a request with ``P`` prompt tokens to worker ``w``::
 
 The first term is the wait behind the worker's queued prefill work (at its own measured rate; an
 unmeasured worker is assumed as fast as the measured mean). The second is this request's own
-prefill, counted ``uncached_weight`` (default 6) times: for its TTFT, for the compute it takes
-from the worker, and for the copy it adds to the cluster's caches (a prefix computed on a
-second worker holds memory twice). It uses the mean measured rate of all workers, so
-measurement noise between identical GPUs never decides a route at even load. The third is
-the room the new blocks take: once a worker's pool is full each uncached token displaces a
-cached one that may be asked for again, and the fuller the pool now (free blocks that hold no
-cached prefix are room, less what the worker's queue will take), the sooner. A worker with an
-empty pool (just started, or passed over so far) pays nothing here, so it takes new prefixes
-rather than the few workers that hold a shared system prompt; counting only the tokens past the
-room would say nothing until those few were full, and by then their conversations would be
-evicting each other. Once every pool is full it weighs every worker's uncached tokens alike.
-The fourth is the decode steps interleaved with it; the measured decode rate is floored at the
-default because at small batches it overstates what one more batched sequence costs. The last
-prices a cached prefix by where it is: blocks in a worker's pool cost nothing, blocks in its
-host memory or on its disk (``WorkerMatch.lower_blocks``) the time to load them, at the rate
-the worker measured (else the default): cheaper than recomputing by orders of magnitude, so a
-lower tier still wins over no cache, and a pool's copy over a lower one at equal load.
+prefill, counted up to ``uncached_weight`` (default 6) times, plus ``eviction_weight``: once for
+its TTFT, and the rest for the compute it takes from the worker and for the copy it adds to the
+cluster's caches (a prefix computed on a second worker holds memory twice) and the cached tokens
+that copy displaces. The rest counts as full as the worker's pool is (free blocks that hold no
+cached prefix are room, less what its queue will take): a copy in room displaces nothing. The mean
+measured rate of all workers prices it, so measurement noise between identical GPUs never decides a
+route at even load. A worker with an empty pool (just started, or passed over) thus weighs a shared
+prompt's tokens at one prefill and takes new conversations from the few workers that cached the
+prompt first (counted six times there too, such workers stayed idle at light load while the holders
+evicted each other's conversations). Once every pool is full, the weight is alike. The third is the
+decode steps interleaved with it (the measured rate floored at the default: at small batches it
+overstates what one more batched sequence costs). The last prices a cached prefix by where it is:
+blocks in a worker's pool cost nothing, blocks in its host memory or on its disk
+(``WorkerMatch.lower_blocks``) the time to load them, at the rate the worker measured (else the
+default): cheaper than recomputing by orders of magnitude, so a lower tier still wins over no
+cache, and a pool's copy over a lower one at equal load.
 
 Why this instead of SGLang's global imbalance gate (abs 64 / rel 1.5 over all workers)? The
 gate is global: one overloaded worker switches affinity off for every request, scattering
@@ -54,9 +53,9 @@ Ties (costs within ``tie_tolerance_s`` of the best) go to the deeper match, then
 least busy lately among those with nothing waiting (``WorkerLoad.busy_share``: at low load every
 idle worker ties, and sending each new prefix to the one that has worked least keeps sticky
 conversations from piling up on a few; where work waits, the queues decide), then by
-rendezvous hashing of ``tie_key`` with the worker key. Both come from the workers'
-reports or the request, so every router process breaks a tie the same way. The caller picks the
-key (``router.router_state.tie_key``: the first block no worker holds).
+rendezvous hashing of ``tie_key`` with the worker key. Both come from the workers' reports or
+the request, so every router process breaks a tie the same way. The caller picks the key
+(``router.router_state.tie_key``: the first block no worker holds).
 """
 
 from __future__ import annotations
@@ -90,7 +89,8 @@ class PolicyConfig:
         1000.0, "Decode rate assumed until some worker has measured one")
     uncached_weight: float = _weight(
         6.0, "Cost of an uncached prompt token, in prefill token-times: this request's TTFT, "
-        "the worker's compute, and the duplicate it makes in the cluster's caches")
+        "and (as full as the worker's KV pool is) the worker's compute and the duplicate it "
+        "makes in the cluster's caches")
     decode_weight: float = _weight(
         0.5, "Cost of one more decoding sequence, in token-times (decode is batched)")
     predicted_credit: float = _weight(
@@ -310,8 +310,8 @@ def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: Poli
     room = np.maximum(0, empty - queued)  # queued work fills first
     total = total * config.block_size
     fill = 1.0 - np.minimum(room, total) / np.maximum(total, 1.0)  # unknown size: a full pool
-    cost = queued / prefill_rate + config.uncached_weight * uncached / ref_rate
-    cost += config.eviction_weight * uncached * fill / ref_rate
+    weight = 1.0 + (config.uncached_weight - 1.0 + config.eviction_weight) * fill
+    cost = queued / prefill_rate + weight * uncached / ref_rate
     cost += config.decode_weight * running / decode_rate
     if len(fleet.adapter_s):
         cost += np.asarray(fleet.adapter_s, dtype=float)

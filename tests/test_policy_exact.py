@@ -258,6 +258,8 @@ def test_cost_exactly_at_the_tolerance_ties_and_depth_wins() -> None:
 
 
 def test_room_term_weighs_uncached_tokens_by_how_full_the_pool_is() -> None:
+    """Past its own prefill, an uncached token costs the rest of the weight in proportion to
+    how full the pool is: the copy it adds displaces nothing in a pool with room."""
     config = PolicyConfig(uncached_weight=2.0, eviction_weight=0.25)
     # 10 empty blocks of 40 = 160 tokens of room in 640, 60 of it taken by queued and routed
     # work first: the pool is 1 - 100 / 640 full
@@ -267,16 +269,17 @@ def test_room_term_weighs_uncached_tokens_by_how_full_the_pool_is() -> None:
     s = score(view, 300, config, 4000.0)
     uncached = 300 - 32
     fill = 1 - 100 / 640
+    # one prefill, and the rest of the weight (1 + 0.25 more) as full as the pool is
     assert s.cost_s == pytest.approx(
-        60 / 4000 + 2 * uncached / 4000 + 0.25 * fill * uncached / 4000, rel=1e-12)
-    # an empty pool: no room cost at all, however many tokens come
+        60 / 4000 + (1 + 1.25 * fill) * uncached / 4000, rel=1e-12)
+    # an empty pool: the tokens' own prefill only, however many tokens come
     empty = WorkerView("w", confirmed_depth=2,
                        load=WorkerLoad(kv_empty_blocks=100, kv_total_blocks=100))
-    assert score(empty, 3000, config, 4000.0).cost_s == pytest.approx(2 * (3000 - 32) / 4000)
+    assert score(empty, 3000, config, 4000.0).cost_s == pytest.approx((3000 - 32) / 4000)
     # the smallest pool there is: one 1-token block, free
     tiny = replace(config, block_size=1)
     one = WorkerView("w", load=WorkerLoad(kv_empty_blocks=1, kv_total_blocks=1))
-    assert score(one, 5, tiny, 4000.0).cost_s == pytest.approx(2 * 5 / 4000)
+    assert score(one, 5, tiny, 4000.0).cost_s == pytest.approx(5 / 4000)
     # queued work beyond the room leaves none (never a negative room): a full pool
     full = WorkerView("w", load=WorkerLoad(queued_prefill_tokens=500, kv_empty_blocks=10,
                                            kv_total_blocks=40))
@@ -298,11 +301,30 @@ def test_an_emptier_worker_beats_a_fuller_one_holding_a_short_shared_prefix() ->
     holder = WorkerView("holder", confirmed_depth=32, load=half)
     fresh = WorkerView("fresh", load=WorkerLoad(kv_empty_blocks=10_000, kv_total_blocks=10_000))
     assert rank(30_000, [holder, fresh], config)[0].key == "fresh"
-    # without the term, the 512 saved tokens decide
-    assert rank(30_000, [holder, fresh], PolicyConfig(eviction_weight=0.0))[0].key == "holder"
+    # with the room left out (every token weighed alike), the 512 saved tokens decide
+    flat = PolicyConfig(uncached_weight=1.0, eviction_weight=0.0)
+    assert rank(30_000, [holder, fresh], flat)[0].key == "holder"
     # and between two pools equally full, too
     both = [holder, WorkerView("other", load=half)]
     assert rank(30_000, both, config)[0].key == "holder"
+
+
+def test_a_worker_with_room_takes_new_conversations_from_full_holders_of_their_prompt() -> None:
+    """The trap at light load: the workers that cached a shared system prompt first would keep
+    every new conversation (512 tokens saved, counted six times), the others would never get
+    the prompt, and their pools would sit empty while the holders evict each other's
+    conversations. A worker with room weighs the prompt's tokens at one prefill."""
+    config = PolicyConfig()
+    full = WorkerLoad(kv_empty_blocks=0, kv_total_blocks=10_000)
+    holders = [WorkerView(f"holder{i}", confirmed_depth=32, load=full) for i in range(3)]
+    empty = WorkerView("empty", load=WorkerLoad(kv_empty_blocks=10_000, kv_total_blocks=10_000))
+    ranking = rank(700, [*holders, empty], config)
+    assert ranking[0].key == "empty"
+    assert ranking[0].cost_s == pytest.approx(700 / 4000)
+    assert ranking[1].cost_s == pytest.approx(6.5 * (700 - 512) / 4000)
+    # once it is as full as they are, the prompt's holders win again
+    filled = WorkerView("empty", load=full)
+    assert rank(700, [*holders, filled], config)[-1].key == "empty"
 
 
 def test_untied_workers_rank_by_cost() -> None:

@@ -29,3 +29,15 @@ def test_a_pool_too_small_evicts_least_recently_used() -> None:
 def test_no_reuse_no_hits_and_the_last_token_is_always_computed() -> None:
     assert ceiling([A, B], 100) == 0.0
     assert ceiling([A[:8], A[:8]], 100) == 4 / 16  # the block of the last token is recomputed
+
+
+def test_a_reply_that_the_next_turn_resends_is_held_by_the_ceiling() -> None:
+    # A's reply R (4 tokens) is resent by the next turn: the pool holds A+R after A, so the next
+    # turn hits the blocks of A+R (12 tokens: 3 blocks), where A alone leaves only 2
+    reply = [50, 51, 52, 53]
+    turn2 = [*A, *reply, 7, 8, 9]
+    chains = [hash_chain([*A, *reply], 4), hash_chain(turn2, 4)]
+    lengths = [len(A), len(turn2)]
+    held = merged_ceiling(chains, lengths, 100, 4, [len(A) + 4, len(turn2)])
+    assert held == 12 / (9 + 16)
+    assert ceiling([A, turn2], 100) == 8 / (9 + 16)

@@ -32,6 +32,10 @@ requests.
     python -m prefixserve.bench.sim.simulate --workers 16,64 \\
         --policy prefix,pow2,round_robin,ray_prefix \\
         --trace bench/traces/mooncake_conversation_1000.jsonl --out sim.json
+
+or generates its workload (``--workload chat|groups``, :mod:`prefixserve.bench.sim.workloads`):
+chat users whose later turns arrive a think time after their last reply, and Zipf-popular
+shared-prompt groups, at a rate that sets the fleet's load.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from prefixserve.bench.sim.router import (
     SimRouter,
     check_policy,
 )
+from prefixserve.bench.sim.workloads import WORKLOADS, SimSession, workload
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import hash_chain, namespace, token_array
 from prefixserve.router.events import EventBatch, KVEvent
@@ -77,7 +82,7 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_cache import KVCacheManager
-from prefixserve.workers.sim.engine import SimEngine
+from prefixserve.workers.sim.engine import SimEngine, hashed_tokens
 from prefixserve.workers.sim.profiles import SimProfile, profile_for
 
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
@@ -99,7 +104,10 @@ class SimRequest:
     key: int
     tokens: Sequence[int]  # a token_array from trace_requests, as the ingress sends a prompt
     output_len: int
-    arrival_s: float
+    arrival_s: float  # a later chat turn's: set when the turn it follows has finished
+    after: int | None = None  # the key of the turn this one follows (a chat user's)
+    think_s: float = 0.0  # from that turn's finish to this one's arrival
+    resent: bool = False  # its reply is in the next turn's prompt (a chat user's)
     worker: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -138,6 +146,8 @@ class RunResult:
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
+    tpot_p50_ms: float  # time per output token after the first
+    tpot_p90_ms: float
     busy_imbalance: float
     route_p99_ms: float
     route_p50_ms: float
@@ -167,6 +177,8 @@ class RunResult:
     router_rss_mib: float = 0.0
     unlimited_hit_rate: float = 0.0  # the workload's hit rate with unlimited cache
     host_hit_share: float = 0.0  # of the cached tokens, those loaded from the host tier
+    load: float = 0.0  # the workers' mean busy time over the run's simulated time
+    moved: float = 0.0  # of the later chat turns, those sent to another worker than the last
 
     def parts(self) -> str:
         return (f"{self.policy} at {self.workers} workers, decision parts, ms: hashing p50 "
@@ -189,27 +201,28 @@ class RunResult:
 
 
 def merged_ceiling(chains: Sequence[Sequence[bytes]], lengths: Sequence[int], num_blocks: int,
-                   block_size: int) -> float:
+                   block_size: int, held: Sequence[int] | None = None) -> float:
     """Hit rate of one LRU pool of ``num_blocks`` taking the prompts in order, each computed
     and freed before the next (the real pool's bookkeeping: same reuse, same eviction order).
+    ``held``: the tokens each request leaves cached where that is more than its prompt (its
+    reply, which a later prompt resends; ``chains`` then cover them).
 
     A pool at least as large as every block the prompts take never evicts, so it is cut to that
     size: the same answer without millions of idle blocks at 1,000 workers."""
-    needed = sum(-(-n // block_size) for n in lengths)
+    held = held or lengths
+    needed = sum(-(-n // block_size) for n in held)
     kv = KVCacheManager(max(1, min(num_blocks, needed)), block_size)
     hit = total = 0
-    for i, (chain, n) in enumerate(zip(chains, lengths, strict=True)):
+    for i, (chain, n, keep) in enumerate(zip(chains, lengths, held, strict=True)):
         hits = kv.computed_blocks(chain, n)
         cached = len(hits) * block_size
-        if kv.allocate_slots(str(i), cached, n - cached, chain, hits):
+        if kv.allocate_slots(str(i), cached, keep - cached, chain, hits):
             kv.commit_step()
             kv.free(str(i))
         kv.take_events()
         hit += cached
         total += n
     return hit / total if total else 0.0
-
-
 
 
 class Simulator:
@@ -269,6 +282,7 @@ class Simulator:
         self.index_failures = 0  # worker-side calls that timed out (resynced after)
         self._now = 0.0
         self._live: dict[str, SimRequest] = {}
+        self._next_turns: dict[int, SimRequest] = {}  # by the key of the turn each follows
 
     def _worker(self, i: int, config: EngineConfig) -> SimWorker:
         worker = SimWorker(i, f"sim-worker-{i}", SimEngine(self.profile, config))
@@ -335,8 +349,11 @@ class Simulator:
             self._push(self.heartbeat_s, "heartbeat", None)
         await self.router.start()
         for req in requests:
-            req.arrival_s += ARRIVAL_LAG_S
-            self._push(req.arrival_s, "arrival", req)
+            if req.after is None:
+                req.arrival_s += ARRIVAL_LAG_S
+                self._push(req.arrival_s, "arrival", req)
+            else:
+                self._next_turns[req.after] = req
         pending = len(requests)
         # The simulated fleet allocates far more than a router does, and the collector's pauses
         # it triggers would land inside the routing decisions timed here: collect between
@@ -389,11 +406,19 @@ class Simulator:
         except InvalidRequestError:
             req.rejected = True
             self.router.completed(worker.index, req.key)
+            self._next_turn(req, now)
             return
         worker.ongoing += 1
         self._live[str(req.key)] = req
         if not worker.stepping:
             self._start_step(worker, now)
+
+    def _next_turn(self, req: SimRequest, now: float) -> None:
+        """A chat user's next turn arrives a think time after the reply to this one."""
+        turn = self._next_turns.pop(req.key, None)
+        if turn is not None:
+            turn.arrival_s = now + turn.think_s
+            self._push(turn.arrival_s, "arrival", turn)
 
     def _start_step(self, w: SimWorker, now: float) -> None:
         outputs = w.engine.step()
@@ -417,6 +442,7 @@ class Simulator:
                 del self._live[out.request_id]
                 w.ongoing -= 1
                 self.router.completed(w.index, req.key)
+                self._next_turn(req, now)
         if w.step_events:
             w.unpublished.extend(w.step_events)
             w.step_events.clear()
@@ -454,8 +480,38 @@ def trace_requests(path: str | Path, vocab_size: int, *, limit: int | None = Non
             for i, s in enumerate(sessions)]
 
 
+def session_requests(sessions: Sequence[SimSession], vocab_size: int) -> list[SimRequest]:
+    """Generated sessions (bench.sim.workloads) as requests, each later turn after its last and
+    resending it with the reply the simulated engine gives it (``hashed_tokens``)."""
+    reply = hashed_tokens(vocab_size)
+    out: list[SimRequest] = []
+    for s in sessions:
+        history: list[int] = []
+        for t, turn in enumerate(s.turns):
+            if t:
+                last = out[-1]
+                history += [reply(_Reply(str(last.key), i)) for i in range(last.output_len)]
+                last.resent = True
+            history += turn.tokens
+            out.append(SimRequest(len(out), token_array(history), turn.output_len,
+                                  s.arrival_s if t == 0 else 0.0,
+                                  after=None if t == 0 else len(out) - 1,
+                                  think_s=s.think_s[t - 1] if t else 0.0))
+    return out
+
+
+@dataclass
+class _Reply:
+    """What the simulated engine's token source reads of a sequence: its reply's n-th token."""
+
+    request_id: str
+    num_output_tokens: int
+    index: int = 0
+
+
 def fresh(requests: Sequence[SimRequest]) -> list[SimRequest]:
-    return [SimRequest(r.key, r.tokens, r.output_len, r.arrival_s) for r in requests]
+    return [SimRequest(r.key, r.tokens, r.output_len, r.arrival_s, r.after, r.think_s, r.resent)
+            for r in requests]
 
 
 async def simulate(
@@ -514,7 +570,13 @@ async def simulate(
         host_hit_share=external / hit if hit else 0.0,
         ttft_p50_s=percentile(ttft, 50), ttft_p90_s=percentile(ttft, 90),
         ttft_p99_s=percentile(ttft, 99),
+        tpot_p50_ms=percentile(tpot := [(r.finish_s - r.first_token_s) * 1000 / (r.output_len - 1)
+                                        for r in served if r.finish_s is not None
+                                        and r.first_token_s is not None and r.output_len > 1],
+                               50),
+        tpot_p90_ms=percentile(tpot, 90),
         busy_imbalance=max(busy) / mean_busy if mean_busy else 0.0,
+        load=mean_busy / end if end else 0.0, moved=moved_share(reqs),
         route_p99_ms=percentile(route_ms, 99), route_p50_ms=percentile(route_ms, 50),
         lookup_p99_ms=percentile(lookup_ms := [s * 1000 for s in timed.lookup_s], 99),
         sim_time_s=end, wall_s=wall, lookups_failed=timed.lookups_failed,
@@ -533,6 +595,13 @@ async def simulate(
         copy_mib=timed.copy_bytes / 2**20, router_rss_mib=timed.max_rss_bytes / 2**20)
 
 
+def moved_share(requests: Sequence[SimRequest]) -> float:
+    """Of the later chat turns, the share routed to another worker than the turn before."""
+    worker = {r.key: r.worker for r in requests}
+    later = [r for r in requests if r.after is not None and r.worker >= 0]
+    return sum(r.worker != worker[r.after] for r in later) / len(later) if later else 0.0
+
+
 def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: int | None,
                 ) -> float:
     """The merged-cache ceiling of a cluster of ``num_workers`` engines like ``engine``, their
@@ -540,12 +609,18 @@ def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: in
     ns = namespace(engine.model_fingerprint, None)
     bs = engine.block_size
     ordered = sorted(served, key=lambda r: (r.arrival_s, r.key))
-    chains = [hash_chain(r.tokens, bs, ns) for r in ordered]
+    reply = hashed_tokens(engine.vocab_size)
+    held = [[*r.tokens, *(reply(_Reply(str(r.key), i)) for i in range(r.output_len))]
+            if r.resent else r.tokens for r in ordered]
+    chains = [hash_chain(tokens, bs, ns) for tokens in held]
     per_worker = engine.kv.num_total_blocks
     if engine.tiers is not None and engine.tiers.host is not None:
         per_worker += engine.tiers.host.num_slots
     blocks = sys.maxsize if num_workers is None else per_worker * num_workers
-    return merged_ceiling(chains, [len(r.tokens) for r in ordered], blocks, bs)
+    # an engine computes a reply's tokens but the last (sampled, never fed back)
+    return merged_ceiling(chains, [len(r.tokens) for r in ordered], blocks, bs,
+                          [len(tokens) - (r.output_len > 0 and r.resent)
+                           for r, tokens in zip(ordered, held, strict=True)])
 
 
 COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),
@@ -553,7 +628,9 @@ COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),
            ("unlimited_hit_rate", "unlimited", "{:.3f}"), ("host_hit_share", "host share",
                                                            "{:.2f}"),
            ("ttft_p50_s", "TTFT p50 s", "{:.3f}"), ("ttft_p90_s", "p90", "{:.3f}"),
-           ("ttft_p99_s", "p99", "{:.3f}"), ("busy_imbalance", "busy max/mean", "{:.2f}"),
+           ("ttft_p99_s", "p99", "{:.3f}"), ("tpot_p50_ms", "TPOT p50 ms", "{:.1f}"),
+           ("tpot_p90_ms", "p90", "{:.1f}"), ("load", "load", "{:.2f}"),
+           ("busy_imbalance", "busy max/mean", "{:.2f}"), ("moved", "moved", "{:.2f}"),
            ("route_p99_ms", "route p99 ms", "{:.2f}"), ("lookup_p99_ms", "lookup p99", "{:.2f}"),
            ("rejected", "rejected", "{}"),
            ("wall_s", "wall s", "{:.0f}"))
@@ -567,18 +644,39 @@ def table(results: Sequence[RunResult]) -> str:
                      for row in rows)
 
 
+def engine_config(args: argparse.Namespace, profile: SimProfile, num_blocks: int | None,
+                  ) -> EngineConfig:
+    """Each worker's engine: ``num_blocks`` in its pool (None: the profile's budget) and a host
+    tier of ``--host-factor`` times that."""
+    pool = num_blocks or profile.default_num_blocks(args.block_size)
+    host_gib = args.host_factor * pool * profile.kv_bytes_per_token * args.block_size / 2**30
+    return EngineConfig(
+        block_size=args.block_size, num_blocks=num_blocks, kv_offloading_size=host_gib,
+        max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
+
+
+def distinct_blocks(requests: Sequence[SimRequest], block_size: int) -> int:
+    """The workload's distinct full blocks: what an unlimited cache would end up holding."""
+    ns = namespace("distinct", None)
+    return len(set().union(*(hash_chain(r.tokens, block_size, ns) for r in requests)))
+
+
+def load_requests(args: argparse.Namespace, profile: SimProfile) -> list[SimRequest]:
+    if args.workload == "trace":
+        return trace_requests(args.trace, profile.vocab_size, limit=args.limit,
+                              speedup=args.speedup, max_input=args.max_input,
+                              max_output=args.max_output)
+    generated = workload(args.workload, dict(args.workload_option))
+    return session_requests(generated.sessions(Tokens(profile.vocab_size, seed=args.seed)),
+                            profile.vocab_size)
+
+
 async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips | None]:
     """The runs, and (where the prefix policy ran) what a Redis round trip costs here, to read
     the decision times against."""
     profile = profile_for(args.profile)
-    pool = args.num_blocks or profile.default_num_blocks(args.block_size)
-    host_gib = args.host_factor * pool * profile.kv_bytes_per_token * args.block_size / 2**30
-    config = EngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks, kv_offloading_size=host_gib,
-        max_num_seqs=profile.max_num_seqs, max_num_batched_tokens=profile.max_num_batched_tokens)
-    requests = trace_requests(args.trace, profile.vocab_size, limit=args.limit,
-                              speedup=args.speedup, max_input=args.max_input,
-                              max_output=args.max_output)
+    requests = load_requests(args, profile)
+    distinct = distinct_blocks(requests, args.block_size) if args.pool_fraction else 0
     redis = None
     redis_url = args.redis_url
     policies = [p.strip() for p in args.policy.split(",")]
@@ -589,6 +687,9 @@ async def run_all(args: argparse.Namespace) -> tuple[list[RunResult], RoundTrips
     results = []
     try:
         for n in (int(x) for x in args.workers.split(",")):
+            num_blocks = (max(1, round(args.pool_fraction * distinct / n))
+                          if args.pool_fraction else args.num_blocks)
+            config = engine_config(args, profile, num_blocks)
             ceiling = None
             for policy in policies:
                 result = await simulate(requests, profile, n, policy, config, redis_url,
@@ -623,6 +724,13 @@ def parse_weight(text: str) -> tuple[str, float]:
     return name, float(value)
 
 
+def parse_option(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError("--workload-option takes NAME=VALUE")
+    return name, value
+
+
 ROUTER_SETTINGS = ("max_match_tokens", "hash_memo_tokens")
 
 
@@ -636,6 +744,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", default="16,64", help="comma-separated cluster sizes")
     parser.add_argument("--policy", default=",".join(POLICIES),
                         help=f"comma-separated, of {', '.join(POLICIES)}")
+    parser.add_argument("--workload", default="trace", choices=("trace", *WORKLOADS),
+                        help="replay --trace, or generate chat users or Zipf-popular groups "
+                        "(bench.sim.workloads)")
+    parser.add_argument("--workload-option", action="append", default=[], metavar="NAME=VALUE",
+                        type=parse_option,
+                        help="a generated workload's field, e.g. rate=2.5 or answer_len=128-384, "
+                        "repeatable")
     parser.add_argument("--trace", default="bench/traces/mooncake_conversation_1000.jsonl",
                         help="a Mooncake-format JSONL trace (the full traces: a path)")
     parser.add_argument("--limit", type=int, default=None, help="first N rows only")
@@ -646,6 +761,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks per worker (default: the profile's KV budget)")
+    parser.add_argument("--pool-fraction", type=float, default=0.0,
+                        help="size the pools to hold together this fraction of the workload's "
+                        "distinct blocks (over --num-blocks)")
     parser.add_argument("--host-factor", type=float, default=0.0,
                         help="a host KV tier per worker of this many times its pool (0: none)")
     parser.add_argument("--publish-lag-ms", type=float, default=5.0,
@@ -671,6 +789,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "peak resident memory)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    if args.workload != "trace":
+        try:
+            workload(args.workload, dict(args.workload_option))
+        except (ValueError, TypeError) as e:
+            parser.error(str(e))
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # as Ray runs Serve's
         results, trips = runner.run(run_all(args))
     print(table(results))

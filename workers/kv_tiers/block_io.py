@@ -22,6 +22,12 @@ class BlockIO:
         memory, ordered on the current stream)."""
         out.copy_(self.kv_cache[:, :, block_id], non_blocking=out.is_pinned())
 
+    def settle(self) -> None:
+        """Wait for the copies queued so far (on a GPU the host-slot copies are asynchronous:
+        a slot read on the CPU must wait for them first)."""
+        if self.kv_cache.is_cuda:
+            torch.cuda.current_stream(self.kv_cache.device).synchronize()
+
     def read(self, block_id: int) -> torch.Tensor:
         """A CPU copy of a pool block, the caller's to keep."""
         return self.kv_cache[:, :, block_id].to("cpu", copy=True)

@@ -160,6 +160,8 @@ class TieredKV:
     def _spill(self, block_hash: bytes, data: torch.Tensor | None) -> None:
         """The host tier's LRU victim goes to disk (its slot is reused next: copy it now)."""
         if self.disk is not None and data is not None:
+            if self.io is not None:
+                self.io.settle()  # the slot's own copy in may still be under way
             self._to_disk(block_hash, data.clone)
         if block_hash not in self.pool.cached:
             self._report((block_hash,))
