@@ -283,3 +283,21 @@ def test_host_blocks_load_at_the_host_rate_and_unmeasured_rates_default() -> Non
     assert s.cached_tokens == 47
     bare = rank(48, [WorkerView("short", confirmed_depth=3, load=load())], CFG, b"k")[0]
     assert s.cost_s - bare.cost_s == pytest.approx(47 / CFG.default_disk_load_tokens_per_s)
+
+
+def test_measured_load_rates_price_each_tier_and_the_cap_falls_on_the_disk_tail() -> None:
+    # measured rates, even below one token a second, are the worker's own (0 means unmeasured)
+    slow = replace(load(), host_load_tokens_per_s=0.5, disk_load_tokens_per_s=0.25)
+    # 2 host blocks then 3 disk blocks, but a 70-token prompt caches 69 tokens: the host's 32
+    # and 37 of the disk's 48
+    capped = WorkerView("capped", confirmed_depth=5, lower_blocks=(2, 3), load=slow)
+    bare = WorkerView("capped", confirmed_depth=5, load=slow)
+    (s,) = rank(70, [capped], CFG, b"k")
+    (b,) = rank(70, [bare], CFG, b"k")
+    assert s.cached_tokens == b.cached_tokens == 69
+    assert s.cost_s - b.cost_s == pytest.approx(32 / 0.5 + 37 / 0.25)
+    measured = replace(load(), host_load_tokens_per_s=100_000.0)
+    on_host = WorkerView("host", confirmed_depth=5, lower_blocks=(5, 0), load=measured)
+    (h,) = rank(70, [on_host], CFG, b"k")
+    (p,) = rank(70, [WorkerView("host", confirmed_depth=5, load=measured)], CFG, b"k")
+    assert h.cost_s - p.cost_s == pytest.approx(69 / 100_000.0)

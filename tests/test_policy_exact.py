@@ -67,6 +67,8 @@ def test_weight_fields_carry_default_and_description() -> None:
         ({"block_size": 0}, "block_size must be >= 1"),
         ({"default_prefill_tokens_per_s": 0.0}, "default rates must be > 0"),
         ({"default_decode_tokens_per_s": 0.0}, "default rates must be > 0"),
+        ({"default_host_load_tokens_per_s": 0.0}, "default rates must be > 0"),
+        ({"default_disk_load_tokens_per_s": -1.0}, "default rates must be > 0"),
         ({"predicted_credit": -0.01}, "predicted_credit must be in [0, 1]"),
         ({"predicted_credit": 1.01}, "predicted_credit must be in [0, 1]"),
         ({"uncached_weight": 0.99}, BAD_WEIGHTS),
