@@ -100,12 +100,13 @@ def test_ray_prefix_follows_its_tree_and_weights_reach_the_ranking(redis_server,
     rr = asyncio.run(simulate(requests, profile, 8, "round_robin", config, None))
     assert ray.requests == 40 and not ray.rejected
     assert ray.hit_rate > rr.hit_rate  # later turns follow the tree to their holder
-    # a weight given to the simulator reaches the ranking: when an uncached token costs 1,000
-    # prefill token-times, every request follows the shared first block to one worker
+    # a weight given to the simulator reaches the ranking: when every cost ties, the deeper
+    # match decides, and every request follows the shared first block to one worker
     default = asyncio.run(simulate(requests, profile, 8, "prefix", config, redis_server.url))
     affine = asyncio.run(simulate(requests, profile, 8, "prefix", config, redis_server.url,
-                                  weights=PolicyConfig(uncached_weight=1000.0)))
+                                  weights=PolicyConfig(tie_tolerance_s=1e9)))
     assert affine.busy_imbalance == 8.0 > default.busy_imbalance  # all on one of 8 workers
+    assert affine.hit_rate == affine.ceiling_hit_rate > default.hit_rate
     weights = PolicyConfig(eviction_weight=0.7)
     sim = Simulator(profile, 2, "round_robin", config, None, weights=weights)
     assert isinstance(sim.router, SimRouter) and sim.router.state.settings.weights == weights
