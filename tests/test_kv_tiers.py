@@ -180,6 +180,16 @@ def test_host_tier_evicts_least_recently_used_first() -> None:
     assert list(host.slots) == [b"a", b"c"] and host.get(b"a").eq(1.0).all()
 
 
+def test_host_tier_sizes_and_types_its_slots() -> None:
+    one = HostTier(1, (2, 3), torch.bfloat16)  # one slot is a tier
+    assert one.data.shape == (1, 2, 3) and one.data.dtype == torch.bfloat16
+    one.put(b"a")
+    assert one.evict_lru()[0] == b"a"
+    assert HostTier(3).data is None  # the simulator's: which hash is where, no contents
+    with pytest.raises(ValueError, match=r"^the host tier needs at least one block slot$"):
+        HostTier(0)
+
+
 def test_events_report_the_best_tier_and_removal_only_when_no_tier_holds_it(llama) -> None:
     path, _ = llama
     events = []
