@@ -82,7 +82,7 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine_types import EngineConfig, RequestOutput
 from prefixserve.workers.errors import InvalidRequestError
 from prefixserve.workers.kv_cache import KVCacheManager
-from prefixserve.workers.sim.engine import SimEngine, hashed_tokens
+from prefixserve.workers.sim.engine import SimEngine, hashed_reply
 from prefixserve.workers.sim.profiles import SimProfile, profile_for
 
 LEASE_TTL_S = 3600.0  # wall-clock lease: far longer than any simulated run takes
@@ -482,15 +482,14 @@ def trace_requests(path: str | Path, vocab_size: int, *, limit: int | None = Non
 
 def session_requests(sessions: Sequence[SimSession], vocab_size: int) -> list[SimRequest]:
     """Generated sessions (bench.sim.workloads) as requests, each later turn after its last and
-    resending it with the reply the simulated engine gives it (``hashed_tokens``)."""
-    reply = hashed_tokens(vocab_size)
+    resending it with the reply the simulated engine gives it (``hashed_reply``)."""
     out: list[SimRequest] = []
     for s in sessions:
         history: list[int] = []
         for t, turn in enumerate(s.turns):
             if t:
                 last = out[-1]
-                history += [reply(_Reply(str(last.key), i)) for i in range(last.output_len)]
+                history += hashed_reply(vocab_size, str(last.key), last.output_len)
                 last.resent = True
             history += turn.tokens
             out.append(SimRequest(len(out), token_array(history), turn.output_len,
@@ -498,15 +497,6 @@ def session_requests(sessions: Sequence[SimSession], vocab_size: int) -> list[Si
                                   after=None if t == 0 else len(out) - 1,
                                   think_s=s.think_s[t - 1] if t else 0.0))
     return out
-
-
-@dataclass
-class _Reply:
-    """What the simulated engine's token source reads of a sequence: its reply's n-th token."""
-
-    request_id: str
-    num_output_tokens: int
-    index: int = 0
 
 
 def fresh(requests: Sequence[SimRequest]) -> list[SimRequest]:
@@ -609,18 +599,16 @@ def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: in
     ns = namespace(engine.model_fingerprint, None)
     bs = engine.block_size
     ordered = sorted(served, key=lambda r: (r.arrival_s, r.key))
-    reply = hashed_tokens(engine.vocab_size)
-    held = [[*r.tokens, *(reply(_Reply(str(r.key), i)) for i in range(r.output_len))]
+    # a resent reply is cached too, but its last token (sampled, never fed back: no KV)
+    held = [[*r.tokens, *hashed_reply(engine.vocab_size, str(r.key), r.output_len)[:-1]]
             if r.resent else r.tokens for r in ordered]
     chains = [hash_chain(tokens, bs, ns) for tokens in held]
     per_worker = engine.kv.num_total_blocks
     if engine.tiers is not None and engine.tiers.host is not None:
         per_worker += engine.tiers.host.num_slots
     blocks = sys.maxsize if num_workers is None else per_worker * num_workers
-    # an engine computes a reply's tokens but the last (sampled, never fed back)
     return merged_ceiling(chains, [len(r.tokens) for r in ordered], blocks, bs,
-                          [len(tokens) - (r.output_len > 0 and r.resent)
-                           for r, tokens in zip(ordered, held, strict=True)])
+                          [len(tokens) for tokens in held])
 
 
 COLUMNS = (("policy", "policy", "{}"), ("workers", "workers", "{}"),

@@ -31,15 +31,26 @@ from prefixserve.workers.sim.profiles import SimProfile
 TokenSource = Callable[[Sequence], int]
 
 
+def hashed_token(vocab_size: int, request_id: str, index: int, position: int) -> int:
+    """The stand-in token of one (request, sample, position): reproducible across processes
+    (unlike ``hash()``) and cheap."""
+    key = zlib.crc32(f"{request_id}#{index}".encode())
+    return (key * 2654435761 + position * 40503) % vocab_size
+
+
 def hashed_tokens(vocab_size: int) -> TokenSource:
-    """Deterministic stand-in tokens per (request, sample, position): reproducible across
-    processes (unlike ``hash()``) and cheap."""
+    """The default token source: each sequence's next :func:`hashed_token`."""
 
     def next_token(seq: Sequence) -> int:
-        key = zlib.crc32(f"{seq.request_id}#{seq.index}".encode())
-        return (key * 2654435761 + seq.num_output_tokens * 40503) % vocab_size
+        return hashed_token(vocab_size, seq.request_id, seq.index, seq.num_output_tokens)
 
     return next_token
+
+
+def hashed_reply(vocab_size: int, request_id: str, num_tokens: int) -> list[int]:
+    """The reply a request's first sample gets, known before the run (a simulated chat client
+    resends it in the next turn)."""
+    return [hashed_token(vocab_size, request_id, 0, i) for i in range(num_tokens)]
 
 
 class SimEngine(EngineCore):
