@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prefixserve.router.blocks import Chain
+from prefixserve.router.policy import Ranking
 
 
 @dataclass
@@ -22,12 +23,21 @@ class RequestContext:
     tokens: Sequence[int] = ()  # the prompt (matched up to max_match_tokens): the chain's rest
     namespace: bytes = b""
     complete: bool = True  # the chain holds every full block of ``tokens``
-    new_tokens: dict[str, int] = field(default_factory=dict)  # replica -> prefill if sent there
-    depth: dict[str, int] = field(default_factory=dict)  # replica -> credited depth (blocks)
+    ranking: Ranking | None = None  # its candidates' costs, once ranked
     confirmed: dict[str, int] = field(default_factory=dict)  # replica -> depth at lookup
     adapter: str | None = None  # its LoRA adapter's identity; None: the base model
     failopen: str | None = None  # why its lookup failed open, if it did
     unknown: frozenset[str] = frozenset()  # replicas its lookup had no answer for (a shard down)
+
+    def depth(self, replica: str) -> int:
+        """The depth (blocks) the ranking credited ``replica`` with; 0 where it was not ranked."""
+        score = self.ranking.of(replica) if self.ranking is not None else None
+        return score.matched_blocks if score is not None else 0
+
+    def new_tokens(self, replica: str) -> int:
+        """The tokens it prefills if sent to ``replica`` and every predicted block lands."""
+        score = self.ranking.of(replica) if self.ranking is not None else None
+        return score.new_tokens if score is not None else self.num_prompt_tokens
 
 
 def tie_key(ctx: RequestContext, deepest: int) -> bytes:

@@ -61,16 +61,16 @@ the request, so every router process breaks a tie the same way. The caller picks
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
-from operator import attrgetter
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
 
 from prefixserve.router.blocks import DEFAULT_BLOCK_SIZE
 from prefixserve.router.events import WorkerLoad
+from prefixserve.router.load_table import load_rows
 
 
 def _weight(default: float, description: str) -> Any:
@@ -170,47 +170,6 @@ def _mean_rate(prefill_rates: np.ndarray, config: PolicyConfig) -> float:
     return sum(rates) / len(rates) if rates else config.default_prefill_tokens_per_s
 
 
-# A worker that has not reported: nothing queued, running or free that we know of, rates unmeasured
-# (so the reference and default rates apply), busy (never ahead of an idle one in a tie): what
-# the cost model assumes without a load.
-_UNREPORTED = WorkerLoad(busy_share=1.0)
-# The load fields the cost model reads, in one float row per worker: one array for the fleet.
-_LOAD_FIELDS = ("prefill_tokens_per_s", "decode_tokens_per_s", "queued_prefill_tokens",
-                "num_running", "kv_empty_blocks", "num_waiting", "busy_share",
-                "kv_total_blocks", "host_load_tokens_per_s", "disk_load_tokens_per_s")
-_LOAD_COLUMNS = attrgetter(*_LOAD_FIELDS)
-
-
-def load_rows(loads: Sequence[WorkerLoad | None]) -> np.ndarray:
-    """The cost model's load fields, one float row per worker (a worker without a load reads
-    as unreported)."""
-    table = np.array([_LOAD_COLUMNS(load or _UNREPORTED) for load in loads], dtype=float)
-    return table.reshape(len(loads), len(_LOAD_FIELDS))  # zero rows for no workers
-
-
-class LoadRows:
-    """:func:`load_rows` for one router's successive decisions: only the rows of workers whose
-    load object changed since the last decision are read again (loads are immutable, and a
-    decision sees most of the fleet's as the last one did: at 1,000 workers reading every row
-    cost a quarter of a decision)."""
-
-    def __init__(self) -> None:
-        self._loads: list[WorkerLoad | None] = []  # kept: their ids stay theirs
-        self._rows = load_rows(())
-
-    def of(self, loads: Sequence[WorkerLoad | None]) -> np.ndarray:
-        """The rows of ``loads`` (the kept array: read only)."""
-        if len(loads) != len(self._loads):
-            self._rows = load_rows(loads)
-        else:
-            rows = self._rows
-            for i, (new, old) in enumerate(zip(loads, self._loads, strict=True)):
-                if new is not old:
-                    rows[i] = _LOAD_COLUMNS(new or _UNREPORTED)
-        self._loads = list(loads)
-        return self._rows
-
-
 @dataclass(slots=True)
 class Fleet:
     """The workers of one decision as columns, one entry per worker in the caller's order:
@@ -221,17 +180,19 @@ class Fleet:
     keys: Sequence[str]
     confirmed: Sequence[int]
     predicted: Sequence[int]
-    loads: Sequence[WorkerLoad | None]
+    loads: Sequence[WorkerLoad | None]  # may be empty where ``rows`` are given
     pending_tokens: Sequence[int]
     pending_requests: Sequence[int]
     queue_len: Sequence[int]  # 0 where Serve's count is unknown
     # seconds to make the request's LoRA adapter usable there (router.adapter_slots); empty:
     # the base model
     adapter_s: Sequence[float] = ()
-    # load_rows(loads), when the caller keeps them (LoadRows); None: read from loads
+    # load_rows(loads), when the caller has them (router.candidate_loads); None: from loads
     rows: np.ndarray | None = None
     # each worker's (host, disk) blocks of its confirmed depth; empty: all in the pools
     lower: Sequence[tuple[int, int]] = ()
+    # each key's index in ``keys``, when the caller keeps it; None: made when asked
+    at: Mapping[str, int] | None = None
 
     @classmethod
     def of_rows(cls, rows: Sequence[tuple[str, int, int, WorkerLoad | None, int, int, int]],
@@ -251,23 +212,46 @@ class Fleet:
 
 
 class Ranking:
-    """Workers best first: the first is the choice, the rest are the fallbacks. Held as
-    columns, and a :class:`Score` is made only for the entries read (a decision reads one)."""
+    """Workers best first: the first is the choice, the rest are the fallbacks. Held as the cost
+    model's arrays in the caller's order and the order over them; the keys in order and a
+    :class:`Score` are made only where read (a decision reads one or two)."""
 
-    def __init__(self, keys: list[str], cost: list[float], cached: list[float],
-                 uncached: list[float], depth: list[int], new_tokens: list[int]) -> None:
-        self.keys, self.cost, self.cached, self.uncached = keys, cost, cached, uncached
-        self.depth, self.new_tokens = depth, new_tokens
+    def __init__(self, keys: Sequence[str], costs: _Costs, order: np.ndarray,
+                 at: Mapping[str, int] | None = None) -> None:
+        self._keys, self._costs, self._order = keys, costs, order
+        self._at = at  # each key's index in ``keys``; None: made when first asked
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self._order)
 
     def __getitem__(self, i: int) -> Score:
-        return Score(self.keys[i], self.cost[i], self.cached[i], self.uncached[i],
-                     self.depth[i], self.new_tokens[i])
+        return self._score(int(self._order[i]))
 
     def __iter__(self) -> Iterator[Score]:
         return (self[i] for i in range(len(self)))
+
+    @cached_property
+    def keys(self) -> list[str]:
+        """Every worker's key, best first."""
+        keys = self._keys
+        return [keys[i] for i in self._order.tolist()]
+
+    def of(self, key: str) -> Score | None:
+        """``key``'s entry; None for a worker not ranked."""
+        if self._at is None:
+            self._at = {k: i for i, k in enumerate(self._keys)}
+        i = self._at.get(key)
+        return None if i is None else self._score(i)
+
+    @property
+    def deepest(self) -> int:
+        """The deepest match (blocks) of any worker ranked."""
+        return int(self._costs.depth.max(initial=0))
+
+    def _score(self, i: int) -> Score:
+        c = self._costs
+        return Score(self._keys[i], float(c.cost[i]), float(c.cached[i]), float(c.uncached[i]),
+                     int(c.depth[i]), int(c.new_tokens[i]))
 
 
 @dataclass
@@ -282,12 +266,6 @@ class _Costs:
     # The busy share where nothing waits (1.0 otherwise): it orders ties between workers with
     # room, and not between saturated ones, where the queues decide.
     idle_busy_share: np.ndarray
-
-    def ranking(self, keys: Sequence[str], order: np.ndarray) -> Ranking:
-        """The workers in ``order`` (indices into ``keys``)."""
-        return Ranking([keys[i] for i in order.tolist()], self.cost[order].tolist(),
-                       self.cached[order].tolist(), self.uncached[order].tolist(),
-                       self.depth[order].tolist(), self.new_tokens[order].tolist())
 
 
 def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: PolicyConfig,
@@ -339,8 +317,8 @@ def score(
 ) -> Score:
     """One worker's cost (what :func:`rank` computes for all of them at once)."""
     fleet = Fleet.of([view])
-    return _costs(fleet, load_rows(fleet.loads), num_prompt_tokens, config, ref_rate).ranking(
-        [view.key], np.arange(1))[0]
+    costs = _costs(fleet, load_rows(fleet.loads), num_prompt_tokens, config, ref_rate)
+    return Ranking([view.key], costs, np.arange(1))[0]
 
 
 @lru_cache(maxsize=65_536)
@@ -397,4 +375,4 @@ def rank(
     tied = np.where(cost <= cost.min(initial=np.inf) + config.tie_tolerance_s, 0.0, cost)
     weight = _rendezvous(tie_key, fleet.keys)
     order = np.lexsort((~weight, costs.idle_busy_share, -costs.depth, tied))  # the last key first
-    return costs.ranking(fleet.keys, order)
+    return Ranking(fleet.keys, costs, order, fleet.at)

@@ -20,11 +20,11 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import fields
 
 from prefixserve.router.adapter_slots import AdapterSlots
 from prefixserve.router.adapters import adapter_fingerprint
 from prefixserve.router.blocks import Chain, ChainMemo, namespace
+from prefixserve.router.candidate_loads import CandidateLoads, CandidateRows
 from prefixserve.router.chains import goes_past
 from prefixserve.router.decision_types import (
     Candidate,
@@ -33,18 +33,16 @@ from prefixserve.router.decision_types import (
     RequestContext,
     tie_key,
 )
-from prefixserve.router.events import WorkerLoad
 from prefixserve.router.in_flight import InFlight, Routed
 from prefixserve.router.index import IndexSettings, LookupResult
 from prefixserve.router.index_gate import IndexGate
-from prefixserve.router.policy import Fleet, LoadRows, Ranking, rank
+from prefixserve.router.policy import Fleet, Ranking, rank
 from prefixserve.router.predictions import LocalPredictions
 from prefixserve.router.request import Expected
 from prefixserve.router.router_settings import RouterSettings
 
 logger = logging.getLogger("ray.serve")
 
-_LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
 _MAX_CONTEXTS = 4096  # past this, contexts of requests cancelled before routing are dropped
 _CONTEXT_MAX_AGE_S = 60.0
 # A decision hashes the prompt's remembered blocks and this many tokens more at first (extend()
@@ -63,8 +61,9 @@ class RouterState:
         self.local = LocalPredictions((index or IndexSettings()).predict_ttl_s)
         self.contexts: dict[int, RequestContext] = {}
         self.routed = InFlight()
-        self.loads: dict[str, tuple[WorkerLoad, float]] = {}  # replica -> (load, received)
-        self.load_rows = LoadRows()  # the cost model's load table, kept between decisions
+        self.loads = CandidateLoads(settings.load_max_age_s)  # what the ranking reads
+        self._keys: list[str] = []  # the last candidates' keys, and each one's index
+        self._at: Mapping[str, int] = {}
         self.worker_ids: Mapping[str, int] = {}  # replica -> index worker id (the lookup's)
         self.adapters = AdapterSlots()  # which LoRA adapters each worker holds in its slots
         run_tokens = settings.block_size * ChainMemo.RUN_BLOCKS
@@ -158,45 +157,57 @@ class RouterState:
     ) -> Ranking:
         """All candidates, best first, from the lookup (None: by load only), this router's own
         recent decisions and the work it sent that the reported loads do not cover yet."""
-        keys = [c.key for c in candidates]
-        at = {k: i for i, k in enumerate(keys)}  # a decision's work per candidate is a list slot
+        keys, at = self._roster(candidates)
         confirmed, predicted = [0] * len(keys), [0] * len(keys)
         lower: list[tuple[int, int]] = []  # (host, disk) blocks per candidate, where any are
+        overrides = []  # a match's load that is not the lookup's map's
         if result is not None:
+            self.loads.take(result.loads, now)
             ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
+            indexed = result.loads
             for worker, match in result.matches.items():
                 if (i := at.get(worker)) is not None:
                     confirmed[i], predicted[i] = match.confirmed_depth, match.predicted_depth
+                    if match.load is not None and match.load is not indexed.get(worker):
+                        overrides.append((worker, match.load))
                     if match.lower_blocks != (0, 0):
                         lower = lower or [(0, 0)] * len(keys)
                         lower[i] = match.lower_blocks
         for worker, depth in (self.local.depths(ctx.chain, now) if ctx.chain else {}).items():
             if (i := at.get(worker)) is not None:
                 predicted[i] = max(predicted[i], depth)
-        loads = self.loads_for(candidates, result, now)
+        loads = self.loads.read(candidates, keys, now)
+        for worker, load in overrides:
+            loads.put(at[worker], worker, load)
         tokens, count = self.backlog(key, ctx.chain, at, loads)
         adapter_s = () if ctx.adapter is None else self.adapters.prices(
             ctx.adapter, [(c.key, c.routing_stats) for c in candidates], now,
             self.settings.weights.adapter_miss_s)
-        fleet = Fleet(keys, confirmed, predicted, loads, tokens, count,
-                      [c.queue_len or 0 for c in candidates], adapter_s, self.load_rows.of(loads),
-                      lower)
+        fleet = Fleet(keys, confirmed, predicted, (), tokens, count,
+                      [c.queue_len or 0 for c in candidates], adapter_s, loads.rows, lower, at)
         deepest = max(max(confirmed, default=0), max(predicted, default=0))
-        ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
-                       tie_key(ctx, deepest))
-        ctx.new_tokens = dict(zip(ranking.keys, ranking.new_tokens, strict=True))
-        ctx.depth = dict(zip(ranking.keys, ranking.depth, strict=True))
-        return ranking
+        ctx.ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
+                           tie_key(ctx, deepest))
+        return ctx.ranking
+
+    def _roster(self, candidates: Sequence[Candidate]) -> tuple[list[str], Mapping[str, int]]:
+        """The candidates' keys and each one's index, the map kept while they stay the same
+        replicas in the same order (a decision's work per candidate is a list slot)."""
+        keys = [c.key for c in candidates]
+        if keys != self._keys:
+            self._keys, self._at = keys, {k: i for i, k in enumerate(keys)}
+        return self._keys, self._at
 
     def backlog(self, key: int, chain: Chain, at: Mapping[str, int],
-                 loads: Sequence[WorkerLoad | None]) -> tuple[list[int], list[int]]:
+                 loads: CandidateRows) -> tuple[list[int], list[int]]:
         """Per candidate (``at``: its index), the prefill tokens and the requests this router
         sent there after its load was reported, except request ``key`` itself."""
-        tokens, count = [0] * len(loads), [0] * len(loads)
+        tokens, count = [0] * len(at), [0] * len(at)
         for worker, in_flight in self.routed.by_worker():
             if (i := at.get(worker)) is None:
                 continue
-            since = loads[i].timestamp if loads[i] is not None else 0.0
+            load = loads.of(worker)
+            since = load.timestamp if load is not None else 0.0
             for other, routed in in_flight.items():
                 if routed.routed_at > since and other != key:
                     tokens[i] += routed.unshared_tokens(chain, self.settings.block_size)
@@ -216,9 +227,8 @@ class RouterState:
     def _track(
         self, key: int, worker: str, ctx: RequestContext, internal_id: str, now: float
     ) -> None:
-        tokens = ctx.new_tokens.get(worker, ctx.num_prompt_tokens)
-        self.routed.add(key, Routed(worker, now, tokens, ctx.chain, ctx.depth.get(worker, 0),
-                                    internal_id))
+        self.routed.add(key, Routed(worker, now, ctx.new_tokens(worker), ctx.chain,
+                                    ctx.depth(worker), internal_id))
         if len(self.routed) > _MAX_ROUTED:
             for stale in [k for k in self.routed
                           if now - self.routed[k].routed_at > _ROUTED_MAX_AGE_S]:
@@ -230,13 +240,13 @@ class RouterState:
         ctx = self.contexts.get(key)
         if ctx is None:
             return None
-        depth = ctx.depth.get(worker, 0)
-        deepest = max(ctx.depth.values(), default=0)
+        depth = ctx.depth(worker)
+        deepest = ctx.ranking.deepest if ctx.ranking is not None else 0
         spill = None
         if depth < deepest:
             routed = self.routed.get(key)  # this router's first choice (note_routed)
             first = routed.worker if routed is not None else worker
-            spill = "serve" if ctx.depth.get(first, 0) >= deepest else "cost"
+            spill = "serve" if ctx.depth(first) >= deepest else "cost"
         return Outcome(depth, spill)
 
     def expected(self, key: int, worker: str) -> Expected | None:
@@ -249,7 +259,7 @@ class RouterState:
         reason = "failopen" if ctx.failopen else "partial" if worker in ctx.unknown else None
         if reason is None and first is not None and first.worker != worker:
             reason = "serve"
-        return Expected(ctx.depth.get(worker, 0), reason)
+        return Expected(ctx.depth(worker), reason)
 
     def sent(self, key: int, worker: str, internal_id: str, now: float) -> Prediction | None:
         """Serve sent the request to ``worker`` (maybe not the first choice): record the truth;
@@ -274,37 +284,6 @@ class RouterState:
             if routed.internal_id == internal_id:
                 self.routed.pop(key)
                 return
-
-    def loads_for(self, candidates: Sequence[Candidate], result: LookupResult | None,
-                  now: float) -> list[WorkerLoad | None]:
-        """Each candidate's load: the index's (the match's, else the lookup's: a lookup carries
-        every live worker's load but matches only the chain's holders), else the last one seen
-        (while fresh), else the routing stats'."""
-        matches = result.matches if result is not None else {}
-        indexed = result.loads if result is not None else {}
-        seen, out = self.loads, []
-        for candidate in candidates:
-            match = matches.get(candidate.key)
-            fresh = match.load if match is not None and match.load is not None else (
-                indexed.get(candidate.key))
-            if fresh is None:
-                out.append(self._last_load(candidate, now))
-            else:
-                seen[candidate.key] = (fresh, now)
-                out.append(fresh)
-        return out
-
-    def _last_load(self, candidate: Candidate, now: float) -> WorkerLoad | None:
-        cached = self.loads.get(candidate.key)
-        if cached is not None and now - cached[1] <= self.settings.load_max_age_s:
-            return cached[0]
-        raw = candidate.routing_stats.get("load")
-        if isinstance(raw, dict):
-            try:
-                return WorkerLoad(**{k: v for k, v in raw.items() if k in _LOAD_FIELDS})
-            except TypeError:
-                return None
-        return None
 
     # ----------------------------------------------------------------------------- index
 

@@ -40,6 +40,7 @@ from prefixserve.router.index import (
     ResultCode,
     WorkerInfo,
 )
+from prefixserve.router.load_table import LoadMap
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,10 @@ class ShardedPrefixIndex:
         token = tuple(m for r in results for m in (r.loads, r.worker_ids))
         last = self._merged[0]
         if len(last) != len(token) or any(a is not b for a, b in zip(last, token, strict=True)):
-            loads: dict[str, WorkerLoad] = {}
             ids: dict[str, int] = {}
             for g, result in enumerate(results):
-                loads.update(result.loads)
                 ids.update({k: g * GROUP_SPAN + v for k, v in result.worker_ids.items()})
-            self._merged = (token, loads, ids)
+            self._merged = (token, LoadMap.merged([r.loads for r in results]), ids)
         return self._merged[1], self._merged[2]
 
     async def predict(self, chain: Sequence[bytes], worker_id: int, *, from_block: int = 0) -> None:

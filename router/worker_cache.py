@@ -11,6 +11,7 @@ from typing import Any
 
 from prefixserve.router.events import EventDecodeError, WorkerLoad, decode_load
 from prefixserve.router.index import WorkerInfo, WorkerMatch
+from prefixserve.router.load_table import LoadMap, LoadTable
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,8 @@ class WorkerCache:
         self.loads_version = b""  # the load version of the last lookup's reply
         self._loads: dict[int, tuple[bytes, WorkerLoad | None]] = {}  # raw, decoded (None: junk)
         # replica_id -> load / worker id of every known live worker; replaced on news
-        self.by_replica: Mapping[str, WorkerLoad] = {}
+        self.by_replica: LoadMap = LoadMap(())
+        self._table = LoadTable()  # the loads' rows
         self.ids: Mapping[str, int] = {}
         self._corrupt: set[Any] = set()  # worker ids whose junk record was logged once
         # ids in lookups' replies that the last list of live workers did not know, until when
@@ -51,8 +53,10 @@ class WorkerCache:
         self.workers = {w.worker_id: w for w in workers}
         self.version = version
         self.ids = {w.replica_id: w.worker_id for w in workers}
-        for gone in self._loads.keys() - self.workers.keys():
-            del self._loads[gone]
+        gone = self._loads.keys() - self.workers.keys()
+        for wid in gone:
+            del self._loads[wid]
+        self._table.forget(gone)
         self._publish_loads()
         return workers
 
@@ -78,11 +82,13 @@ class WorkerCache:
         news = {int.from_bytes(changed[i], "big"): changed[i + 1] or None  # False: no load
                 for i in range(0, len(changed) - 1, 2) if len(changed[i]) == 2}
         if everything:
-            for gone in self._loads.keys() - news.keys():
-                del self._loads[gone]
-        for wid, raw in news.items():
-            self._decode_load(wid, raw)
-        self._publish_loads()
+            gone = self._loads.keys() - news.keys()
+            for wid in gone:
+                del self._loads[wid]
+            self._table.forget(gone)
+        changed = [self._decode_load(wid, raw) for wid, raw in news.items()]
+        if everything or any(changed):  # else the last map stands
+            self._publish_loads()
 
     def matches(self, depth: Mapping[int, tuple[int, int]],
                 lower: Mapping[int, tuple[int, int]] | None = None) -> dict[str, WorkerMatch]:
@@ -103,21 +109,23 @@ class WorkerCache:
         """A worker collected by GC."""
         self.workers.pop(worker_id, None)
         self._loads.pop(worker_id, None)
+        self._table.forget((worker_id,))
 
     def _publish_loads(self) -> None:
-        self.by_replica = {
-            info.replica_id: cached[1]
+        self.by_replica = self._table.publish({
+            wid: (info.replica_id, cached[1])
             for wid, info in self.workers.items()
             if (cached := self._loads.get(wid)) is not None and cached[1] is not None
-        }
+        })
 
-    def _decode_load(self, worker_id: int, raw: bytes | None) -> None:
+    def _decode_load(self, worker_id: int, raw: bytes | None) -> bool:
+        """Take one worker's load record; whether its load changed."""
         if raw is None:
-            self._loads.pop(worker_id, None)
-            return
+            self._table.forget((worker_id,))
+            return self._loads.pop(worker_id, None) is not None
         cached = self._loads.get(worker_id)
         if cached is not None and cached[0] == raw:
-            return
+            return False
         try:
             load = decode_load(raw)
         except EventDecodeError as exc:
@@ -125,4 +133,7 @@ class WorkerCache:
                 log.warning("prefix index %s: bad load record of worker %d ignored (%s)",
                             self.tag, worker_id, exc)
             load = None
+        else:
+            self._table.write(worker_id, load)
         self._loads[worker_id] = (raw, load)
+        return True

@@ -8,14 +8,13 @@ from dataclasses import fields, replace
 import pytest
 
 from prefixserve.router.events import WorkerLoad
+from prefixserve.router.load_table import load_rows
 from prefixserve.router.policy import (
     Fleet,
-    LoadRows,
     PolicyConfig,
     Score,
     WorkerView,
     _weight,
-    load_rows,
     rank,
     reference_prefill_rate,
     rendezvous,
@@ -101,24 +100,14 @@ def test_config_accepts_the_bounds(fields_: dict[str, float]) -> None:
         assert getattr(config, name) == value
 
 
-def test_kept_load_rows_are_read_again_only_where_a_load_changed() -> None:
-    a, b, c = (WorkerLoad(num_running=n, prefill_tokens_per_s=1000.0 * n) for n in (1, 2, 3))
-    rows = LoadRows()
-    assert rows.of([]).shape == (0, 10)
-    first = rows.of([a, None, b])
-    assert (first == load_rows([a, None, b])).all()
-    assert first[1].tolist() == load_rows([WorkerLoad(busy_share=1.0)])[0].tolist()
-    same = rows.of([a, None, b])
-    assert same is first  # nothing changed: the kept rows
-    assert (rows.of([a, c, b]) == load_rows([a, c, b])).all()  # one row read again
-    assert (rows.of([c, None, a]) == load_rows([c, None, a])).all()
-    assert (rows.of([b, a]) == load_rows([b, a])).all()  # another fleet: all read again
-    # a ranking over kept rows is the ranking over the loads
+def test_a_ranking_over_given_rows_is_the_ranking_over_the_loads() -> None:
+    a, b = (WorkerLoad(num_running=n, prefill_tokens_per_s=1000.0 * n) for n in (1, 2))
     keys, loads = ["x", "y"], [b, a]
     fleet = Fleet(keys, [0, 2], [0, 2], loads, [0, 0], [0, 0], [0, 0])
-    kept = Fleet(keys, [0, 2], [0, 2], loads, [0, 0], [0, 0], [0, 0], rows=rows.of(loads))
-    assert rank(64, kept, CFG).cost == rank(64, fleet, CFG).cost
-    assert (kept.rows == load_rows(loads)).all()  # ranking left the kept rows as they were
+    rows = load_rows(loads)
+    given = Fleet(keys, [0, 2], [0, 2], (), [0, 0], [0, 0], [0, 0], rows=rows)
+    assert [s.cost_s for s in rank(64, given, CFG)] == [s.cost_s for s in rank(64, fleet, CFG)]
+    assert (rows == load_rows(loads)).all()  # ranking left the caller's rows as they were
 
 
 def test_reference_rate_is_the_mean_of_measured_rates() -> None:

@@ -8,11 +8,13 @@ from dataclasses import replace
 import pytest
 
 from prefixserve.router.blocks import Chain, hash_chain, namespace
+from prefixserve.router.candidate_loads import CandidateRows
 from prefixserve.router.chains import common_blocks, goes_past, shares_block
 from prefixserve.router.decision_types import Candidate, Prediction, tie_key
 from prefixserve.router.events import WorkerLoad
 from prefixserve.router.in_flight import Routed
 from prefixserve.router.index import LookupResult, WorkerInfo, WorkerMatch
+from prefixserve.router.load_table import load_rows
 from prefixserve.router.policy import PolicyConfig, WorkerView, rank, rendezvous
 from prefixserve.router.predictions import LocalPredictions
 from prefixserve.router.router_settings import RouterSettings
@@ -307,8 +309,8 @@ def test_rank_credits_the_index_and_records_the_depths() -> None:
     ranking = st.rank(1, ctx, ABC, lookup(a=0, b=6, c=2), now=0.0)
     assert [s.key for s in ranking] == ["b", "c", "a"]
     assert ctx.confirmed == {"a": 0, "b": 6, "c": 2}
-    assert ctx.depth == {"a": 0, "b": 6, "c": 2}
-    assert ctx.new_tokens == {"a": 99, "b": 3, "c": 99 - 32}
+    assert {k: ctx.depth(k) for k in "abcz"} == {"a": 0, "b": 6, "c": 2, "z": 0}
+    assert {k: ctx.new_tokens(k) for k in "abcz"} == {"a": 99, "b": 3, "c": 99 - 32, "z": 99}
 
 
 def test_rank_prices_the_blocks_a_lookup_finds_below_a_pool() -> None:
@@ -354,8 +356,9 @@ def test_the_tie_key_is_the_block_past_the_deepest_match(confirmed: int, predict
     ranking = st.rank(1, ctx, [Candidate(k) for k in ["a", *others]], result, now=0.0)
     # "a" holds the most; the rest tie, ordered by the hash of the first block no one holds
     assert ranking.keys == ["a", *sorted(others, key=lambda k: -rendezvous(A[deepest], k))]
-    assert ctx.depth == {"a": deepest, **dict.fromkeys(others, 0)}
-    assert ctx.new_tokens == {"a": 96 - 16 * deepest, **dict.fromkeys(others, 96)}
+    assert {k: ctx.depth(k) for k in ranking.keys} == {"a": deepest, **dict.fromkeys(others, 0)}
+    assert {k: ctx.new_tokens(k) for k in ranking.keys} == {
+        "a": 96 - 16 * deepest, **dict.fromkeys(others, 96)}
 
 
 def test_own_decisions_count_until_the_index_knows() -> None:
@@ -366,7 +369,7 @@ def test_own_decisions_count_until_the_index_knows() -> None:
     second = st.context(2, TOKENS_A, None, now=0.1)
     ranking = st.rank(2, second, ABC, None, now=0.1)
     assert ranking[0].key == "c" and ranking[0].matched_blocks == 6  # the local prediction
-    assert second.depth["c"] == 6 and second.confirmed == {}
+    assert second.depth("c") == 6 and second.confirmed == {}
     later = st.context(3, TOKENS_A, None, now=5.0)
     assert st.rank(3, later, ABC, None, now=5.0)[0].matched_blocks == 0  # expired
 
@@ -385,10 +388,13 @@ def test_backlog_counts_only_requests_sent_after_the_reported_load() -> None:
     assert not st.routed.on("b")
     late = st.context(3, [3] * 2000, None, now=2.0)
     st.note_routed(3, "a", late, "r3", now=2.0)  # as old as the load: the load covers it
-    tokens, count = st.backlog(9, ctx.chain, {"a": 0, "b": 1}, [load, None])
+    loads = CandidateRows(load_rows([load, None]), {"a": load})
+    tokens, count = st.backlog(9, ctx.chain, {"a": 0, "b": 1}, loads)
     assert count == [1, 0] and tokens == [2000, 0]  # request 2 alone
-    assert st.backlog(2, ctx.chain, {"a": 0, "b": 1}, [load, None]) == ([0, 0], [0, 0])
-    assert st.backlog(9, ctx.chain, {"b": 0}, [None]) == ([0], [0])  # a is no candidate
+    assert st.backlog(2, ctx.chain, {"a": 0, "b": 1}, loads) == ([0, 0], [0, 0])
+    assert st.backlog(9, ctx.chain, {"b": 0}, loads) == ([0], [0])  # a is no candidate
+    unknown = CandidateRows(load_rows([None]), {})  # no load: everything sent counts
+    assert st.backlog(9, ctx.chain, {"a": 0}, unknown)[1] == [3]
 
 
 def test_the_deeper_of_the_index_and_own_decisions_counts() -> None:
@@ -401,24 +407,8 @@ def test_the_deeper_of_the_index_and_own_decisions_counts() -> None:
     index = LookupResult({"a": WorkerMatch(1, "a", 1, 5, None),
                           "b": WorkerMatch(2, "b", 1, 2, None)})
     st.rank(3, ctx, ABC, index, now=0.1)
-    assert ctx.depth == {"a": 5, "b": 6, "c": 0}  # a: the index's 5 over its own 3; b: its own 6
-
-
-def test_load_prefers_the_index_then_the_cache_then_routing_stats() -> None:
-    st = state(load_max_age_s=10.0)
-    fresh, other = WorkerLoad(num_running=3), WorkerLoad(num_running=4)
-    stats = {"load": {"num_running": 7, "bogus": 1}}
-    cand = Candidate("a", routing_stats=stats)
-    matched = LookupResult({"a": WorkerMatch(1, "a", 0, 0, fresh)}, loads={"a": other})
-    assert st.loads_for([cand], matched, now=0.0) == [fresh]  # the match's, then the lookup's
-    assert st.loads_for([cand], None, now=5.0) == [fresh]  # cached from the index
-    assert st.loads_for([cand], None, now=11.0) == [WorkerLoad(num_running=7)]  # too old: stats
-    assert st.loads_for([cand], LookupResult({}, loads={"a": other}), now=12.0) == [other]
-    assert st.loads_for([cand], None, now=13.0) == [other]  # the lookup's, cached as well
-    assert st.loads_for([Candidate("b", {"load": {"num_running": 1, "x": 2}})], None, 0.0) == [
-        WorkerLoad(num_running=1)]
-    assert st.loads_for([Candidate("b", {"load": "junk"}), Candidate("c")], None, 0.0) == [
-        None, None]
+    # a: the index's 5 over its own 3; b: its own 6
+    assert [ctx.depth(k) for k in "abc"] == [5, 6, 0]
 
 
 def test_sent_records_the_truth_and_asks_for_a_prediction() -> None:
@@ -445,7 +435,7 @@ def test_a_cold_prefix_sent_to_a_non_holder_is_predicted_there() -> None:
     ctx = st.context(1, TOKENS_A, None, now=0.0)
     ranking = st.rank(1, ctx, [Candidate("a"), Candidate("b")], result, now=0.0)
     assert ranking[0].key == "a"  # b's load comes from the lookup although b matched nothing
-    assert st.loads["b"] == (load, 0.0)
+    assert st.loads.read([Candidate("b")], ["b"], now=1.0).of("b") == load  # and kept
     st.note_routed(1, "a", ctx, "r1", now=0.0)
     assert st.sent(1, "a", "r1", now=0.0) == Prediction(A, 1, 0)
 
