@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -135,11 +135,54 @@ class WorkerMatch:
     lower_blocks: tuple[int, int] = (0, 0)
 
 
+class Matches(Mapping[str, WorkerMatch]):
+    """A lookup's matched workers by replica id, held as columns (one entry per worker, in one
+    order; ``lower``: by replica id, where a worker holds blocks below its pool; ``loads``: where
+    their loads are, the lookup's map): at 1,000 holders, a record per worker cost more to make
+    and read than ranking them does. Reading an entry makes its :class:`WorkerMatch`."""
+
+    __slots__ = ("_at", "confirmed", "ids", "loads", "lower", "names", "predicted")
+
+    def __init__(self, names: list[str], ids: list[int], confirmed: list[int],
+                 predicted: list[int], loads: Mapping[str, WorkerLoad | None],
+                 lower: Mapping[str, tuple[int, int]] | None = None) -> None:
+        self.names, self.ids, self.confirmed, self.predicted = names, ids, confirmed, predicted
+        self.loads, self.lower = loads, lower or {}
+        self._at: dict[str, int] | None = None
+
+    @classmethod
+    def of(cls, matches: Iterable[WorkerMatch]) -> Matches:
+        ms = list(matches)
+        return cls([m.replica_id for m in ms], [m.worker_id for m in ms],
+                   [m.confirmed_depth for m in ms], [m.predicted_depth for m in ms],
+                   {m.replica_id: m.load for m in ms},
+                   {m.replica_id: m.lower_blocks for m in ms if m.lower_blocks != (0, 0)})
+
+    def __getitem__(self, key: str) -> WorkerMatch:
+        if self._at is None:
+            self._at = {name: i for i, name in enumerate(self.names)}
+        i = self._at[key]
+        return WorkerMatch(self.ids[i], key, self.confirmed[i], self.predicted[i],
+                           self.loads.get(key), self.lower.get(key, (0, 0)))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @property
+    def deepest(self) -> int:
+        """The deepest match (blocks, confirmed or predicted) of any worker."""
+        return max(max(self.confirmed, default=0), max(self.predicted, default=0))
+
+
 @dataclass(frozen=True)
 class LookupResult:
     # keyed by replica_id: the live workers holding block 0 (confirmed or predicted), so a
-    # lookup costs what the chain's holders cost, not what the fleet does
-    matches: dict[str, WorkerMatch]
+    # lookup costs what the chain's holders cost, not what the fleet does (a dict of
+    # WorkerMatch is taken as their columns)
+    matches: Matches
     blocks_walked: int = 0  # how far the walk went before it stopped early
     # every live worker known, matched or not (shared: do not mutate)
     loads: Mapping[str, WorkerLoad] = field(default_factory=dict)  # replica_id -> latest load
@@ -148,6 +191,10 @@ class LookupResult:
     # answer, so that matching nothing says nothing about them, and how many shards that was
     unknown: frozenset[str] = frozenset()
     unknown_shards: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.matches, Matches):
+            object.__setattr__(self, "matches", Matches.of(self.matches.values()))
 
 
 @dataclass(frozen=True)

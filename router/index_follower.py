@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from prefixserve.router.blocks import DIGEST_BYTES, Chain
 from prefixserve.router.events import MEDIA, BlockStored, WorkerLoad, decode_events
-from prefixserve.router.index import EventLog, LogEntry, LookupResult, PrefixIndex, WorkerMatch
+from prefixserve.router.index import EventLog, LogEntry, LookupResult, Matches, PrefixIndex
 from prefixserve.router.local_index import KEY, LocalIndex, PredictedBlocks
 from prefixserve.router.redis_records import split_code
 from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex
@@ -117,18 +117,21 @@ class IndexFollower:
         confirmed = self._held.depths(chain)
         predicted = self._predicted.depths(chain, confirmed, time.monotonic())
         lower = self._held.lower_blocks(chain, confirmed)
-        names, loads = self._names, self._loads
-        matches = {}
-        for worker_id, depth in confirmed.items():
-            if (name := names.get(worker_id)) is not None:
-                ahead = max(depth, predicted.get(worker_id, 0))
-                matches[name] = WorkerMatch(worker_id, name, depth, ahead, loads.get(name),
-                                            lower.get(worker_id, (0, 0)))
-        for worker_id, ahead in predicted.items():
-            if worker_id not in confirmed and (name := names.get(worker_id)) is not None:
-                matches[name] = WorkerMatch(worker_id, name, 0, ahead, loads.get(name))
-        walked = max((m.predicted_depth for m in matches.values()), default=min(1, len(chain)))
-        return LookupResult(matches, walked, loads, self._ids)
+        names = self._names
+        ids = [w for w in confirmed if w in names]  # the live ones
+        depths = [confirmed[w] for w in ids]
+        ahead = depths  # one list while nothing is predicted (read only)
+        if predicted:
+            ahead = [max(confirmed[w], predicted.get(w, 0)) for w in ids]
+            for worker_id, depth in predicted.items():
+                if worker_id not in confirmed and worker_id in names:
+                    ids.append(worker_id)
+                    depths.append(0)
+                    ahead.append(depth)
+        matches = Matches([names[w] for w in ids], ids, depths, ahead, self._loads,
+                          {names[w]: v for w, v in lower.items() if w in names})
+        walked = max(ahead, default=min(1, len(chain)))
+        return LookupResult(matches, walked, self._loads, self._ids)
 
     # -- following ------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Iterable, KeysView, Mapping
+from operator import itemgetter
 
 import numpy as np
 
@@ -34,6 +35,8 @@ from prefixserve.router.events import (
     KVEvent,
 )
 from prefixserve.router.packed_entries import KEY, PackedEntries, chain_keys, keys_of
+
+_FEW_BITS = 16  # a mask with more set bits is read through an array
 
 
 class LocalIndex:
@@ -155,7 +158,13 @@ class LocalIndex:
         return out
 
     def _settle(self, mask: int, depth: int, out: dict[int, int]) -> None:
-        """Record ``depth`` for every worker in ``mask``."""
+        """Record ``depth`` for every worker in ``mask`` (many at once through an array: a
+        system prompt's first block has a fleet's holders)."""
+        if mask.bit_count() > _FEW_BITS:
+            bits = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), np.uint8)
+            slots = np.flatnonzero(np.unpackbits(bits, bitorder="little")).tolist()
+            out.update(dict.fromkeys(itemgetter(*slots)(self._ids), depth))
+            return
         while mask:
             low = mask & -mask
             out[self._ids[low.bit_length() - 1]] = depth

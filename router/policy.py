@@ -275,7 +275,7 @@ def _costs(fleet: Fleet, table: np.ndarray, num_prompt_tokens: int, config: Poli
     at 1,000 workers."""
     (prefill_rate, decode_rate, reported_queue, reported_running, empty, waiting, busy, total,
      host_rate, disk_rate) = table.T
-    confirmed, predicted = np.array(fleet.confirmed), np.array(fleet.predicted)
+    confirmed, predicted = np.asarray(fleet.confirmed), np.asarray(fleet.predicted)
     cached = _cached(confirmed, predicted, num_prompt_tokens, config)
     uncached = num_prompt_tokens - cached
     depth = np.maximum(confirmed, predicted)

@@ -21,6 +21,8 @@ from collections.abc import (
     Sequence,
 )
 
+import numpy as np
+
 from prefixserve.router.adapter_slots import AdapterSlots
 from prefixserve.router.adapters import adapter_fingerprint
 from prefixserve.router.blocks import Chain, ChainMemo, namespace
@@ -113,8 +115,7 @@ class RouterState:
         n = len(chain)
         if ctx.complete or not n:
             return False
-        reached = result is not None and any(
-            max(m.confirmed_depth, m.predicted_depth) >= n for m in result.matches.values())
+        reached = result is not None and result.matches.deepest >= n
         reached = reached or any(goes_past(chain, sent) for sent in self.local.chains(now))
         reached = reached or any(goes_past(chain, r.chain) for r in self.routed.values())
         if not reached:
@@ -158,21 +159,24 @@ class RouterState:
         """All candidates, best first, from the lookup (None: by load only), this router's own
         recent decisions and the work it sent that the reported loads do not cover yet."""
         keys, at = self._roster(candidates)
-        confirmed, predicted = [0] * len(keys), [0] * len(keys)
+        confirmed, predicted = np.zeros(len(keys), np.int64), np.zeros(len(keys), np.int64)
         lower: list[tuple[int, int]] = []  # (host, disk) blocks per candidate, where any are
         overrides = []  # a match's load that is not the lookup's map's
         if result is not None:
             self.loads.take(result.loads, now)
-            ctx.confirmed = {k: m.confirmed_depth for k, m in result.matches.items()}
-            indexed = result.loads
-            for worker, match in result.matches.items():
-                if (i := at.get(worker)) is not None:
-                    confirmed[i], predicted[i] = match.confirmed_depth, match.predicted_depth
-                    if match.load is not None and match.load is not indexed.get(worker):
-                        overrides.append((worker, match.load))
-                    if match.lower_blocks != (0, 0):
-                        lower = lower or [(0, 0)] * len(keys)
-                        lower[i] = match.lower_blocks
+            m = result.matches
+            ctx.confirmed = dict(zip(m.names, m.confirmed, strict=True))
+            where = np.array([at.get(name, -1) for name in m.names], dtype=np.intp)
+            known = where >= 0
+            confirmed[where[known]] = np.asarray(m.confirmed, dtype=np.int64)[known]
+            predicted[where[known]] = np.asarray(m.predicted, dtype=np.int64)[known]
+            for worker, blocks in m.lower.items():
+                if (i := at.get(worker)) is not None and blocks != (0, 0):
+                    lower = lower or [(0, 0)] * len(keys)
+                    lower[i] = blocks
+            if m.loads is not result.loads:  # loads of their own (else the map's)
+                overrides = [(w, load) for w in m.names if w in at and (
+                    load := m.loads.get(w)) is not None and load is not result.loads.get(w)]
         for worker, depth in (self.local.depths(ctx.chain, now) if ctx.chain else {}).items():
             if (i := at.get(worker)) is not None:
                 predicted[i] = max(predicted[i], depth)
@@ -185,7 +189,7 @@ class RouterState:
             self.settings.weights.adapter_miss_s)
         fleet = Fleet(keys, confirmed, predicted, (), tokens, count,
                       [c.queue_len or 0 for c in candidates], adapter_s, loads.rows, lower, at)
-        deepest = max(max(confirmed, default=0), max(predicted, default=0))
+        deepest = int(max(confirmed.max(initial=0), predicted.max(initial=0)))
         ctx.ranking = rank(ctx.num_prompt_tokens, fleet, self.settings.weights,
                            tie_key(ctx, deepest))
         return ctx.ranking

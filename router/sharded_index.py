@@ -36,6 +36,7 @@ from prefixserve.router.index import (
     IndexSize,
     IndexUnavailable,
     LookupResult,
+    Matches,
     PrefixIndex,
     ResultCode,
     WorkerInfo,
@@ -154,13 +155,21 @@ class ShardedPrefixIndex:
             raise IndexUnavailable(f"every shard of {self.model}'s index is backing off")
         answers = await self._each(lambda s: s.lookup(chain),
                                    (g for g in range(len(self.stores)) if g not in down))
-        matches = {}
+        names: list[str] = []
+        worker_ids: list[int] = []
+        confirmed: list[int] = []
+        predicted: list[int] = []
+        lower: dict[str, tuple[int, int]] = {}
         for g, result in answers.items():
             self._last[g] = result
-            for key, match in result.matches.items():
-                matches[key] = dataclasses.replace(
-                    match, worker_id=g * GROUP_SPAN + match.worker_id)
+            m = result.matches
+            names += m.names
+            worker_ids += [g * GROUP_SPAN + w for w in m.ids]
+            confirmed += m.confirmed
+            predicted += m.predicted
+            lower.update(m.lower)
         loads, ids = self._merge(self._last)
+        matches = Matches(names, worker_ids, confirmed, predicted, loads, lower)
         unknown = [g for g in range(len(self.stores)) if g not in answers]
         return LookupResult(
             matches, max(r.blocks_walked for r in answers.values()), loads, ids,

@@ -10,7 +10,7 @@ from collections.abc import KeysView, Mapping
 from typing import Any
 
 from prefixserve.router.events import EventDecodeError, WorkerLoad, decode_load
-from prefixserve.router.index import WorkerInfo, WorkerMatch
+from prefixserve.router.index import Matches, WorkerInfo
 from prefixserve.router.load_table import LoadMap, LoadTable
 
 log = logging.getLogger(__name__)
@@ -91,19 +91,16 @@ class WorkerCache:
             self._publish_loads()
 
     def matches(self, depth: Mapping[int, tuple[int, int]],
-                lower: Mapping[int, tuple[int, int]] | None = None) -> dict[str, WorkerMatch]:
+                lower: Mapping[int, tuple[int, int]] | None = None) -> Matches:
         """The known workers among matched ids (confirmed, predicted depth; ``lower``: their
         blocks below the pool, where some are), with their loads."""
-        matches = {}
-        for wid, (confirmed, predicted) in depth.items():
-            info = self.workers.get(wid)
-            if info is not None:
-                cached = self._loads.get(wid)
-                load = cached[1] if cached else None
-                matches[info.replica_id] = WorkerMatch(
-                    wid, info.replica_id, confirmed, predicted, load,
-                    lower.get(wid, (0, 0)) if lower else (0, 0))
-        return matches
+        workers = self.workers
+        ids = [wid for wid in depth if wid in workers]
+        names = [workers[wid].replica_id for wid in ids]
+        return Matches(names, ids, [depth[w][0] for w in ids], [depth[w][1] for w in ids],
+                       self.by_replica,
+                       {workers[w].replica_id: v for w, v in (lower or {}).items()
+                        if w in workers})
 
     def forget(self, worker_id: int) -> None:
         """A worker collected by GC."""

@@ -47,6 +47,23 @@ def test_depths_equal_a_block_by_block_walk(seed: int, merge_min: int) -> None:
         assert index.nbytes == 10 * len(index)  # every entry packed: 8 + 2 bytes
 
 
+@pytest.mark.parametrize("merge", [False, True])
+def test_many_workers_at_one_depth_are_settled_together(merge: bool) -> None:
+    """A system prompt everyone holds: groups of more than 16 workers at one depth, beside a
+    few workers at depths of their own."""
+    rng = random.Random(3)
+    chain = digests(rng, 40)
+    depth = {w: 10 if w <= 60 else 25 if w <= 100 else 40 if w <= 130 else w - 130
+             for w in range(1, 136)}
+    index = LocalIndex()
+    for worker in rng.sample(list(depth), len(depth)):
+        index.apply(worker, [BlockStored(tuple(chain[: depth[worker]]))])
+    if merge:
+        index._merge()
+    assert index.depths(Chain.of(chain)) == depth
+    assert index.depths(Chain.of(chain[:20])) == {w: min(d, 20) for w, d in depth.items()}
+
+
 def test_a_cleared_worker_keeps_nothing_and_the_others_keep_theirs(make) -> None:
     rng = random.Random(1)
     chain = digests(rng, 40)

@@ -319,8 +319,9 @@ def test_rank_prices_the_blocks_a_lookup_finds_below_a_pool() -> None:
     st = state()
     for key, on_disk in enumerate(("b", "a")):
         ctx = st.context(key, [*TOKENS_A, 1, 2, 3], None, now=0.0)
-        result = lookup(a=6, b=6)
-        result.matches[on_disk] = replace(result.matches[on_disk], lower_blocks=(0, 6))
+        matches = dict(lookup(a=6, b=6).matches.items())
+        matches[on_disk] = replace(matches[on_disk], lower_blocks=(0, 6))
+        result = LookupResult(matches)
         ranking = st.rank(key, ctx, ABC, result, now=0.0)
         assert ranking[0].key == ("a" if on_disk == "b" else "b")
         assert ranking[0].cost_s < ranking[1].cost_s and ranking[1].key == on_disk

@@ -95,6 +95,7 @@ class SimRouter:
         self.redis_time = redis_time if self.index is not None and local is None else None
         self.timings = Timings()
         self._rr = itertools.cycle(range(len(self.names)))
+        self._candidates = [Candidate(name) for name in self.names]
 
     async def start(self) -> None:
         """Adopt the registered workers (prefix): their block size and model fingerprint."""
@@ -146,8 +147,9 @@ class SimRouter:
 
     async def _rank(self, key: int, tokens: Sequence[int], ongoing: Sequence[int],
                     now: float) -> int:
-        candidates = [Candidate(name, queue_len=q) for name, q in zip(self.names, ongoing,
-                                                                      strict=True)]
+        candidates = self._candidates  # the same replicas: their queue lengths change
+        for candidate, queue_len in zip(candidates, ongoing, strict=True):
+            candidate.queue_len = queue_len
         decision = await self.core.decide(key, tokens, None, candidates, str(key), now)
         t = self.timings
         t.hash_s.append(decision.hash_s)

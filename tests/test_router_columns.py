@@ -1,5 +1,5 @@
-"""Loads as the cost model reads them: the index client's rows (router.load_table) and each
-candidate's load in a router's decisions (router.candidate_loads), on plain values."""
+"""A router's columns: loads as the cost model reads them (router.load_table, each
+candidate's load in router.candidate_loads) and a lookup's matches (router.index.Matches)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import numpy as np
 from prefixserve.router.candidate_loads import CandidateLoads
 from prefixserve.router.decision_types import Candidate
 from prefixserve.router.events import WorkerLoad
+from prefixserve.router.index import LookupResult, Matches, WorkerMatch
 from prefixserve.router.load_table import LOAD_FIELDS, UNREPORTED, LoadMap, LoadTable, load_rows
 
 A, B, C = (WorkerLoad(num_running=n, prefill_tokens_per_s=1000.0 * n) for n in (1, 2, 3))
@@ -98,3 +99,17 @@ def test_candidates_match_a_new_layout_and_a_plain_map() -> None:
     put.put(0, "a", C)
     assert put.of("a") == C and put.rows[0].tolist() == row(C)
     assert isinstance(put.rows, np.ndarray)
+
+
+def test_matches_are_columns_that_read_as_a_map_of_worker_matches() -> None:
+    a = WorkerMatch(1, "a", 3, 5, A, (1, 2))
+    b = WorkerMatch(2, "b", 4, 4, None)
+    matches = Matches.of([a, b])
+    assert matches.names == ["a", "b"] and matches.ids == [1, 2]
+    assert matches.confirmed == [3, 4] and matches.predicted == [5, 4]
+    assert matches.lower == {"a": (1, 2)} and matches.deepest == 5
+    assert dict(matches) == {"a": a, "b": b} and len(matches) == 2 and "c" not in matches
+    assert LookupResult({"a": a, "b": b}).matches == matches  # a dict is taken as columns
+    assert Matches([], [], [], [], {}).deepest == 0
+    shared = Matches(["b"], [2], [1], [1], {"b": B})  # loads read from the map given
+    assert shared["b"].load == B and shared["b"].lower_blocks == (0, 0)
