@@ -17,6 +17,7 @@ from prefixserve.bench.sim.simulate import (
     fresh,
     main,
     moved_share,
+    parse_fraction,
     session_requests,
     simulate,
 )
@@ -123,6 +124,16 @@ def test_the_command_line_refuses_a_bad_workload_option(capsys) -> None:
         main(["--workload", "chat", "--workload-option", "users=many"])
     assert exit_info.value.code == 2
     assert "invalid literal" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fraction", ["-0.1", "nan", "lots"])
+def test_the_command_line_refuses_a_pool_fraction_below_zero_or_not_a_number(
+        capsys, fraction: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--workload", "chat", "--pool-fraction", fraction])
+    assert exit_info.value.code == 2
+    assert "--pool-fraction" in capsys.readouterr().err
+    assert parse_fraction("0.25") == 0.25 and parse_fraction("0") == 0.0
 
 
 def _args():

@@ -712,6 +712,17 @@ def parse_weight(text: str) -> tuple[str, float]:
     return name, float(value)
 
 
+def parse_fraction(text: str) -> float:
+    """A share of the workload's distinct blocks: a number, at least 0 (0: not used)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, not {text}")
+    return value
+
+
 def parse_option(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep:
@@ -749,7 +760,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV blocks per worker (default: the profile's KV budget)")
-    parser.add_argument("--pool-fraction", type=float, default=0.0,
+    parser.add_argument("--pool-fraction", type=parse_fraction, default=0.0,
                         help="size the pools to hold together this fraction of the workload's "
                         "distinct blocks (over --num-blocks)")
     parser.add_argument("--host-factor", type=float, default=0.0,
