@@ -118,8 +118,11 @@ class IndexFollower:
         predicted = self._predicted.depths(chain, confirmed, time.monotonic())
         lower = self._held.lower_blocks(chain, confirmed)
         names = self._names
-        ids = [w for w in confirmed if w in names]  # the live ones
-        depths = [confirmed[w] for w in ids]
+        if names.keys() >= confirmed.keys():  # all live (C-level passes, not one per worker)
+            ids, depths = list(confirmed), list(confirmed.values())
+        else:
+            ids = [w for w in confirmed if w in names]
+            depths = [confirmed[w] for w in ids]
         ahead = depths  # one list while nothing is predicted (read only)
         if predicted:
             ahead = [max(confirmed[w], predicted.get(w, 0)) for w in ids]
@@ -128,7 +131,7 @@ class IndexFollower:
                     ids.append(worker_id)
                     depths.append(0)
                     ahead.append(depth)
-        matches = Matches([names[w] for w in ids], ids, depths, ahead, self._loads,
+        matches = Matches(list(map(names.__getitem__, ids)), ids, depths, ahead, self._loads,
                           {names[w]: v for w, v in lower.items() if w in names})
         walked = max(ahead, default=min(1, len(chain)))
         return LookupResult(matches, walked, self._loads, self._ids)

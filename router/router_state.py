@@ -20,6 +20,7 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
+from itertools import repeat
 
 import numpy as np
 
@@ -166,7 +167,7 @@ class RouterState:
             self.loads.take(result.loads, now)
             m = result.matches
             ctx.confirmed = dict(zip(m.names, m.confirmed, strict=True))
-            where = np.array([at.get(name, -1) for name in m.names], dtype=np.intp)
+            where = np.fromiter(map(at.get, m.names, repeat(-1)), np.intp, len(m.names))
             known = where >= 0
             confirmed[where[known]] = np.asarray(m.confirmed, dtype=np.int64)[known]
             predicted[where[known]] = np.asarray(m.predicted, dtype=np.int64)[known]
