@@ -49,10 +49,9 @@ class CandidateLoads:
         self._current_at = -np.inf  # and when a lookup last carried it
         # replicas that left the maps since: their last load, and when it was last carried
         self._kept: dict[str, tuple[WorkerLoad, float]] = {}
-        self._layout: tuple[str, ...] | None = None  # the map layout and the candidate keys
-        self._keys: Sequence[str] = ()  # the positions are for
-        self._positions = np.zeros(0, np.intp)  # each candidate's row in the map's rows
-        self._absent: list[int] = []  # candidates the map has no load for
+        # the map layout and the candidate keys last matched, each candidate's row in the map's
+        # rows, and the candidates the map has no load for
+        self._matched: tuple[tuple[str, ...], Sequence[str], np.ndarray, list[int]] | None = None
 
     def take(self, loads: Mapping[str, WorkerLoad], now: float) -> None:
         """A lookup's map of every live worker's load, carried at ``now``."""
@@ -71,12 +70,14 @@ class CandidateLoads:
         same replicas)."""
         current = self._current if now - self._current_at <= self.max_age_s else {}
         if isinstance(current, LoadMap) and len(current):
-            if current.layout is not self._layout or keys is not self._keys:
-                self._layout, self._keys = current.layout, keys
-                self._positions = current.positions(keys)
-                self._absent = np.flatnonzero(self._positions < 0).tolist()
-            out = CandidateRows(current.rows[self._positions], current)
-            absent = self._absent
+            matched = self._matched
+            if matched is None or matched[0] is not current.layout or matched[1] is not keys:
+                positions = current.positions(keys)
+                matched = (current.layout, keys, positions,
+                           np.flatnonzero(positions < 0).tolist())
+                self._matched = matched
+            out = CandidateRows(current.rows[matched[2]], current)
+            absent = matched[3]
         else:
             loads = [current.get(k) for k in keys]
             out = CandidateRows(load_rows(loads), current)

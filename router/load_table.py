@@ -9,6 +9,7 @@ the client as each load arrives, and a router gathers its candidates' rows with 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
 from operator import attrgetter
 
 import numpy as np
@@ -33,7 +34,7 @@ def load_row(load: WorkerLoad | None) -> tuple[float, ...]:
 
 def load_rows(loads: Sequence[WorkerLoad | None]) -> np.ndarray:
     """One row per worker."""
-    table = np.array([load_row(load) for load in loads], dtype=float)
+    table = np.fromiter(chain.from_iterable(map(load_row, loads)), float)
     return table.reshape(len(loads), len(LOAD_FIELDS))  # zero rows for no workers
 
 
@@ -61,7 +62,7 @@ class LoadMap(dict[str, WorkerLoad]):
     def positions(self, keys: Sequence[str]) -> np.ndarray:
         """Each key's row in :attr:`rows`; -1 where the map has no load for it."""
         at = {k: i for i, k in enumerate(self.layout)}
-        return np.array([at.get(k, -1) for k in keys], dtype=np.intp)
+        return np.fromiter((at.get(k, -1) for k in keys), np.intp)
 
 
 class LoadTable:
@@ -77,11 +78,10 @@ class LoadTable:
 
     def write(self, worker_id: int, load: WorkerLoad) -> None:
         slot = self._slots.setdefault(worker_id, len(self._slots))
-        if slot == len(self._rows):
-            grown = np.zeros((max(16, 2 * slot), len(LOAD_FIELDS)))
-            grown[:slot] = self._rows
-            self._rows = grown
-        self._rows[slot] = load_row(load)
+        if slot == len(self._rows):  # a new worker: once per worker, so one row at a time
+            self._rows = np.vstack([self._rows, load_rows([load])])
+        else:
+            self._rows[slot] = load_row(load)
 
     def forget(self, worker_ids: Iterable[int]) -> None:
         """Rows of workers gone; their slots are compacted away."""
@@ -97,6 +97,6 @@ class LoadTable:
         order."""
         ids, names = tuple(loads), tuple(name for name, _ in loads.values())
         if (ids, names) != self._layout[:2]:
-            slots = np.array([self._slots[w] for w in ids], dtype=np.intp)
+            slots = np.fromiter(map(self._slots.__getitem__, ids), np.intp)
             self._layout = (ids, names, slots)
         return LoadMap(loads.values(), self._rows[self._layout[2]], self._layout[1])

@@ -100,6 +100,14 @@ def test_config_accepts_the_bounds(fields_: dict[str, float]) -> None:
         assert getattr(config, name) == value
 
 
+def test_a_rankings_entry_is_found_by_worker_key() -> None:
+    ranking = rank(64, [WorkerView("a"), WorkerView("b", confirmed_depth=2, predicted_depth=3)],
+                   CFG)
+    assert ranking.keys == ["b", "a"] and ranking.deepest == 3
+    assert ranking.of("b") == ranking[0] and ranking.of("a") == ranking[1]
+    assert ranking.of("c") is None
+
+
 def test_a_ranking_over_given_rows_is_the_ranking_over_the_loads() -> None:
     a, b = (WorkerLoad(num_running=n, prefill_tokens_per_s=1000.0 * n) for n in (1, 2))
     keys, loads = ["x", "y"], [b, a]

@@ -36,9 +36,15 @@ def test_a_table_publishes_each_workers_latest_row_in_the_maps_order() -> None:
     assert second.layout is first.layout  # the same workers: one layout object
     assert second.rows.tolist() == [row(B), row(C)]
     assert first.rows.tolist() == [row(B), row(A)]  # a published map never changes
-    table.forget([3])
+    table.forget([3, 42])  # 42: never written
+    assert sorted(table._slots) == [7, 9] and len(table._rows) >= 2  # 3's row is gone
     third = table.publish({7: ("a", C), 9: ("c", C)})
     assert third.layout == ("a", "c") and third.rows.tolist() == [row(C), row(C)]
+    table.forget([7, 9])
+    empty = table.publish({})  # nothing left: no rows, and positions that index none
+    assert empty.rows.shape == (0, len(LOAD_FIELDS)) and len(empty) == 0
+    assert table.publish({}).rows.shape == (0, len(LOAD_FIELDS))
+    assert empty.rows[empty.positions([])].shape == (0, len(LOAD_FIELDS))
     for wid in range(20):  # grows past its first rows
         table.write(100 + wid, A)
     fourth = table.publish({100 + w: (f"w{w}", A) for w in range(20)})
@@ -67,6 +73,7 @@ def test_candidates_read_the_map_then_kept_loads_then_routing_stats() -> None:
     assert [read.of(k) for k in keys] == [A, B, None]
     assert read.rows.tolist() == [row(A), row(B), row(None)]
     assert [loads.read(cands, keys, now=5.0).of(k) for k in keys] == [A, B, None]  # still fresh
+    assert loads.read(cands, keys, now=10.0).of("b") == B  # as old as it may be
     too_old = loads.read(cands, keys, now=11.0)  # no lookup since: the stats' where they have one
     assert [too_old.of(k) for k in keys] == [WorkerLoad(num_running=7), None, None]
     first = LoadMap([("a", A), ("b", B)])
@@ -113,3 +120,27 @@ def test_matches_are_columns_that_read_as_a_map_of_worker_matches() -> None:
     assert Matches([], [], [], [], {}).deepest == 0
     shared = Matches(["b"], [2], [1], [1], {"b": B})  # loads read from the map given
     assert shared["b"].load == B and shared["b"].lower_blocks == (0, 0)
+
+
+def test_candidates_are_matched_to_a_layout_once_while_it_and_they_stay() -> None:
+    calls = []
+
+    class Counted(LoadMap):
+        def positions(self, keys):
+            calls.append(tuple(keys))
+            return super().positions(keys)
+
+    loads = CandidateLoads(max_age_s=10.0)
+    cands, keys = [Candidate("a"), Candidate("b")], ["a", "b"]
+    first = Counted([("a", A), ("b", B)])
+    loads.take(first, now=0.0)
+    for now in (0.0, 1.0):
+        assert loads.read(cands, keys, now).rows.tolist() == [row(A), row(B)]
+    later = Counted([("a", C), ("b", B)], rows=load_rows([C, B]), layout=first.layout)
+    loads.take(later, now=2.0)  # the same workers: the same layout object
+    assert loads.read(cands, keys, now=2.0).rows.tolist() == [row(C), row(B)]
+    assert calls == [("a", "b")]  # matched once
+    loads.read(cands, ["a", "b"], now=2.0)  # another list of keys: matched again
+    loads.take(Counted([("a", C), ("b", B)]), now=3.0)  # another layout: matched again
+    loads.read(cands, keys, now=3.0)
+    assert len(calls) == 3
