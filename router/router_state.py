@@ -207,7 +207,7 @@ class RouterState:
                  loads: CandidateRows) -> tuple[list[int], list[int]]:
         """Per candidate (``at``: its index), the prefill tokens and the requests this router
         sent there after its load was reported, except request ``key`` itself."""
-        tokens, count = [0] * len(at), [0] * len(at)
+        tokens, count = [0] * len(loads.rows), [0] * len(loads.rows)
         for worker, in_flight in self.routed.by_worker():
             if (i := at.get(worker)) is None:
                 continue

@@ -393,7 +393,7 @@ def test_backlog_counts_only_requests_sent_after_the_reported_load() -> None:
     tokens, count = st.backlog(9, ctx.chain, {"a": 0, "b": 1}, loads)
     assert count == [1, 0] and tokens == [2000, 0]  # request 2 alone
     assert st.backlog(2, ctx.chain, {"a": 0, "b": 1}, loads) == ([0, 0], [0, 0])
-    assert st.backlog(9, ctx.chain, {"b": 0}, loads) == ([0], [0])  # a is no candidate
+    assert st.backlog(9, ctx.chain, {"b": 0}, loads) == ([0, 0], [0, 0])  # a is no candidate
     unknown = CandidateRows(load_rows([None]), {})  # no load: everything sent counts
     assert st.backlog(9, ctx.chain, {"a": 0}, unknown)[1] == [3]
 
@@ -512,3 +512,12 @@ def test_check_schedule() -> None:
     assert st.gate.compatible is None and st.gate.next_check == 41.0
     st.gate.check_postponed(now=50.0)
     assert not st.gate.check_due(50.5) and st.gate.check_due(51.0)
+
+
+def test_a_replica_offered_twice_is_ranked_twice() -> None:
+    """Serve offers each replica once; twice, the ranking still covers every entry."""
+    st = state()
+    ctx = st.context(1, TOKENS_A, None, now=0.0)
+    twice = [Candidate("a"), Candidate("b"), Candidate("a")]
+    ranking = st.rank(1, ctx, twice, lookup(a=2), now=0.0)
+    assert len(ranking) == 3 and ranking[0].key == "a"
