@@ -78,10 +78,11 @@ class LoadTable:
 
     def write(self, worker_id: int, load: WorkerLoad) -> None:
         slot = self._slots.setdefault(worker_id, len(self._slots))
-        if slot == len(self._rows):  # a new worker: once per worker, so one row at a time
-            self._rows = np.vstack([self._rows, load_rows([load])])
-        else:
-            self._rows[slot] = load_row(load)
+        if slot == len(self._rows):  # full: doubled, so a fleet's first loads copy it ~log n times
+            grown = np.zeros((max(16, 2 * slot), len(LOAD_FIELDS)))
+            grown[:slot] = self._rows
+            self._rows = grown
+        self._rows[slot] = load_row(load)
 
     def forget(self, worker_ids: Iterable[int]) -> None:
         """Rows of workers gone; their slots are compacted away."""
