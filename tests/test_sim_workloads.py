@@ -43,11 +43,12 @@ def test_chat_turns_resend_the_conversation_with_the_replies() -> None:
         assert list(first.tokens[:40]) == system  # one system prompt for every user
         assert 45 <= len(first.tokens) <= 49 and 3 <= first.output_len <= 6
         assert (first.after, second.after, third.after) == (None, first.key, second.key)
-        assert first.resent and second.resent and not third.resent
+        assert first.reply and second.reply and not third.reply
         # the next turn: this prompt, its reply (output_len tokens), then a new message
         for before, after in ((first, second), (second, third)):
             reply = len(before.tokens) + before.output_len
             assert list(after.tokens[: len(before.tokens)]) == list(before.tokens)
+            assert list(after.tokens[len(before.tokens) : reply]) == list(before.reply)
             assert 5 <= len(after.tokens) - reply <= 9
             assert 5.0 <= after.think_s <= 15.0
     # users arrive in order from 0; their later turns' arrivals come from the run

@@ -107,7 +107,7 @@ class SimRequest:
     arrival_s: float  # a later chat turn's: set when the turn it follows has finished
     after: int | None = None  # the key of the turn this one follows (a chat user's)
     think_s: float = 0.0  # from that turn's finish to this one's arrival
-    resent: bool = False  # its reply is in the next turn's prompt (a chat user's)
+    reply: Sequence[int] = ()  # its reply, where the next turn's prompt resends it (chat)
     worker: int = -1
     first_token_s: float | None = None
     finish_s: float | None = None
@@ -489,8 +489,8 @@ def session_requests(sessions: Sequence[SimSession], vocab_size: int) -> list[Si
         for t, turn in enumerate(s.turns):
             if t:
                 last = out[-1]
-                history += hashed_reply(vocab_size, str(last.key), last.output_len)
-                last.resent = True
+                last.reply = hashed_reply(vocab_size, str(last.key), last.output_len)
+                history += last.reply
             history += turn.tokens
             out.append(SimRequest(len(out), token_array(history), turn.output_len,
                                   s.arrival_s if t == 0 else 0.0,
@@ -500,7 +500,7 @@ def session_requests(sessions: Sequence[SimSession], vocab_size: int) -> list[Si
 
 
 def fresh(requests: Sequence[SimRequest]) -> list[SimRequest]:
-    return [SimRequest(r.key, r.tokens, r.output_len, r.arrival_s, r.after, r.think_s, r.resent)
+    return [SimRequest(r.key, r.tokens, r.output_len, r.arrival_s, r.after, r.think_s, r.reply)
             for r in requests]
 
 
@@ -600,8 +600,7 @@ def ceiling_for(served: Sequence[SimRequest], engine: SimEngine, num_workers: in
     bs = engine.block_size
     ordered = sorted(served, key=lambda r: (r.arrival_s, r.key))
     # a resent reply is cached too, but its last token (sampled, never fed back: no KV)
-    held = [[*r.tokens, *hashed_reply(engine.vocab_size, str(r.key), r.output_len)[:-1]]
-            if r.resent else r.tokens for r in ordered]
+    held = [[*r.tokens, *r.reply[:-1]] if r.reply else r.tokens for r in ordered]
     chains = [hash_chain(tokens, bs, ns) for tokens in held]
     per_worker = engine.kv.num_total_blocks
     if engine.tiers is not None and engine.tiers.host is not None:
