@@ -61,6 +61,8 @@ from prefixserve.router.worker_cache import WorkerCache
 log = logging.getLogger(__name__)
 
 _GC_CHUNK = 4096
+# A reverse index's sealed segments hold this many bytes each (SEG in lua/_reverse.lua)
+REVERSE_SEGMENT_BYTES = 1023 * INDEX_KEY_BYTES
 _RESYNC_CHUNK = 4096
 _HAS_TIMEOUT = hasattr(asyncio, "timeout")
 # Tails kept per worker, ~1.3 KB each (a lookup reads the live workers' tails): more long
@@ -323,11 +325,13 @@ class RedisPrefixIndex:
             pipe = self._redis.pipeline(transaction=False)
             for worker_id in ids:
                 pipe.hget(self._w(worker_id), "n")
+                pipe.hlen(self._r(worker_id) + ":s")
                 pipe.strlen(self._r(worker_id))
             pipe.hlen(self._k_blocks)
             *per_worker, blocks = await pipe.execute()
-            return IndexSize(sum(int(n or 0) for n in per_worker[::2]), int(blocks),
-                             sum(per_worker[1::2]))
+            return IndexSize(sum(int(n or 0) for n in per_worker[::3]), int(blocks),
+                             sum(per_worker[1::3]) * REVERSE_SEGMENT_BYTES
+                             + sum(per_worker[2::3]))
 
         return await self._call(read, self.admin_deadline_s)
 

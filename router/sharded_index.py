@@ -54,10 +54,14 @@ def group_name(model: str, group: int) -> str:
     return f"{model}#{group}"
 
 
-def group_of(replica_id: str, shards: int) -> int:
-    """A replica's group: stable across restarts, so a new incarnation finds its old id."""
-    digest = hashlib.blake2b(replica_id.encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big") % shards
+def groups_of(replica_id: str, shards: int) -> tuple[int, int]:
+    """A replica's two candidate groups, from a hash of its id (one group twice when there is
+    one): stable across restarts, so a new incarnation finds the group it is live in."""
+    h = int.from_bytes(hashlib.blake2b(replica_id.encode(), digest_size=8).digest(), "big")
+    first = h % shards
+    if shards == 1:
+        return first, first
+    return first, (first + 1 + h // shards % (shards - 1)) % shards
 
 
 class ShardedPrefixIndex:
@@ -96,10 +100,25 @@ class ShardedPrefixIndex:
     async def register(
         self, replica_id: str, *, epoch: int, block_size: int, fingerprint: str, node: str = ""
     ) -> int:
-        group = group_of(replica_id, len(self.stores))
+        group = await self._group_for(replica_id)
         local = await self.stores[group].register(
             replica_id, epoch=epoch, block_size=block_size, fingerprint=fingerprint, node=node)
         return group * GROUP_SPAN + local
+
+    async def _group_for(self, replica_id: str) -> int:
+        """Of the replica's two candidate groups, the one it is live in, else the one with fewer
+        live workers (the first on a tie; the one that answers when the other fails). One hashed
+        choice leaves K groups of n workers about sqrt(n/K) apart (1,000 workers over 6: 159 to
+        181), and the largest group's shard is the fleet's bottleneck in events and memory; the
+        less full of two keeps them within a few workers (165 to 167)."""
+        first, second = groups_of(replica_id, len(self.stores))
+        if first == second:
+            return first
+        live = await self._each(lambda s: s.live_workers(), (first, second))
+        for g, workers in live.items():
+            if any(w.replica_id == replica_id for w in workers):
+                return g
+        return min(live, key=lambda g: (len(live[g]), g != first))
 
     async def heartbeat(self, worker_id: int, epoch: int, load: WorkerLoad) -> bool:
         store, local = self._split(worker_id)

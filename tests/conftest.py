@@ -97,6 +97,15 @@ def redis_server() -> Iterator[LocalRedis]:
         server.close()
 
 
+def reverse_index(raw, key: str | bytes) -> bytes:
+    """A worker's reverse index (key ``r:<id>``) as one blob of block keys, in order: its sealed
+    segments (hash ``r:<id>:s``, fields 0, 1, ...) then its tail (the string ``r:<id>``), as
+    ``router/lua/_reverse.lua`` keeps it."""
+    key = key.encode() if isinstance(key, str) else key
+    sealed = raw.hgetall(key + b":s")
+    return b"".join(sealed[str(i).encode()] for i in range(len(sealed))) + (raw.get(key) or b"")
+
+
 @dataclass
 class TlsRedis:
     server: LocalRedis

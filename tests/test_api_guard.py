@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 import redis
-from conftest import TLS_PASSWORD, TlsRedis
+from conftest import TLS_PASSWORD, TlsRedis, reverse_index
 from ray import serve
 from servekit import serve_app
 
@@ -146,8 +146,8 @@ def _index_holds_only_salted_digests(redis_url: str) -> None:
     digests: set[bytes] = set()
     for key in raw.scan_iter(match=prefix + "*"):
         digests.add(key.removeprefix(prefix.encode() + b"q"))  # predicted entries' digests
-        if key.startswith(prefix.encode() + b"r:"):  # reverse indexes: block-hash keys
-            blob = raw.get(key) or b""
+        if key.startswith(prefix.encode() + b"r:") and not key.endswith(b":s"):  # reverse indexes
+            blob = reverse_index(raw, key)
             keys.update(blob[i:i + INDEX_KEY_BYTES] for i in range(0, len(blob), INDEX_KEY_BYTES))
     assert not digests & unsalted
     assert not keys & {d[:INDEX_KEY_BYTES] for d in unsalted}

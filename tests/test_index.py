@@ -13,9 +13,10 @@ from importlib.resources import files
 import msgpack
 import pytest
 import redis
-from conftest import TlsRedis
+from conftest import TlsRedis, reverse_index
 
 from prefixserve.cluster.local_redis import LocalRedis, LocalRedisCluster
+from prefixserve.router import redis_index
 from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.events import (
     AllBlocksCleared,
@@ -36,7 +37,7 @@ from prefixserve.router.index import (
     within,
 )
 from prefixserve.router.index_stores import INDEX_STORES, open_index
-from prefixserve.router.redis_index import MAX_TAILS, RedisPrefixIndex
+from prefixserve.router.redis_index import MAX_TAILS, REVERSE_SEGMENT_BYTES, RedisPrefixIndex
 from prefixserve.router.redis_records import key_tag, match_depths, tail_record
 from prefixserve.router.redis_scripts import SCRIPTS, source
 
@@ -466,11 +467,72 @@ async def test_reverse_index_stays_bounded_under_churn(
         await index.apply(EventBatch(a, 1, seq, (BlockRemoved(tuple(ch)),)))
     # 6,000 blocks stored then evicted: garbage is compacted away, not kept forever.
     # (compaction runs once garbage exceeds 2 x live + 1024 records)
-    assert raw.strlen(f"{{{index.tag}}}r:{a}") <= INDEX_KEY_BYTES * (1024 + 1000)
+    assert len(reverse_index(raw, f"{{{index.tag}}}r:{a}")) <= INDEX_KEY_BYTES * (1024 + 1000)
     keep = chain_of(200, 50)
     await index.apply(stored(a, seq + 1, keep))
     assert depths(await index.lookup(keep)) == {"A": (50, 50)}
     await index.deregister(a)
+    assert block_entries(redis_server.url, index.tag) == {}
+
+
+@pytest.mark.cluster
+async def test_the_reverse_index_is_kept_in_segments_allocated_at_their_size(
+    index: RedisPrefixIndex, redis_server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2,500 keys appended 100 at a time fill two sealed 1,023-key segments and a tail; Redis
+    holds them without the spare capacity of a string appended to (which doubles as it grows).
+    A clear, a GC in chunks across the segments' edges, and a resync read them whole."""
+    a, b = await register(index, "A"), await register(index, "B")
+    ch = chain_of(30, 2500)
+    for i in range(25):
+        assert await index.apply(stored(a, i + 1, ch[i * 100:(i + 1) * 100])) is ResultCode.OK
+    raw = redis.Redis.from_url(redis_server.url)
+    r = f"{{{index.tag}}}r:{a}"
+    seg = REVERSE_SEGMENT_BYTES
+    assert raw.hlen(r + ":s") == 2
+    assert raw.hstrlen(r + ":s", "0") == raw.hstrlen(r + ":s", "1") == seg == 1023 * 8
+    assert raw.strlen(r) == 2500 * INDEX_KEY_BYTES - 2 * seg
+    assert reverse_index(raw, r) == b"".join(h[:INDEX_KEY_BYTES] for h in ch)
+    assert (await index.size()).reverse_index_bytes == 2500 * INDEX_KEY_BYTES
+    # the sealed segments are held at their size; only the tail (here 3.6 KiB) has spare room
+    assert raw.memory_usage(r + ":s", samples=0) < 1.02 * 2 * seg + 256
+    assert depths(await index.lookup(ch)) == {"A": (2500, 2500)}
+    # B holds the same blocks, then clears them all: A's entries stay
+    assert await index.apply(stored(b, 1, ch)) is ResultCode.OK
+    assert await index.apply(EventBatch(b, 1, 2, (AllBlocksCleared(),))) is ResultCode.OK
+    assert not raw.exists(f"{{{index.tag}}}r:{b}", f"{{{index.tag}}}r:{b}:s")
+    assert depths(await index.lookup(ch)) == {"A": (2500, 2500)}
+    # a resync keeps the first 2,000 and reads the old set from every segment
+    await index.resync(a, 1, ch[:2000], seq=30)
+    assert depths(await index.lookup(ch)) == {"A": (2000, 2000)}
+    assert reverse_index(raw, r) == b"".join(h[:INDEX_KEY_BYTES] for h in ch[:2000])
+    # GC in chunks of 700 keys, which start and end inside segments
+    monkeypatch.setattr(redis_index, "_GC_CHUNK", 700)
+    await index.deregister(a)
+    assert block_entries(redis_server.url, index.tag) == {}
+    assert not raw.exists(r, r + ":s")
+
+
+@pytest.mark.cluster
+async def test_a_reverse_index_in_the_older_layout_is_sealed_by_its_next_append(
+    index: RedisPrefixIndex, redis_server: LocalRedis
+) -> None:
+    """An index written by a version that appended one string per worker keeps working: the
+    string is a long tail, whose whole segments the next append seals."""
+    a = await register(index, "A")
+    ch = chain_of(31, 1500)
+    assert await index.apply(stored(a, 1, ch[:1200])) is ResultCode.OK
+    raw = redis.Redis.from_url(redis_server.url)
+    r = f"{{{index.tag}}}r:{a}"
+    raw.delete(r, r + ":s")  # the layout before segments: one string
+    raw.set(r, b"".join(h[:INDEX_KEY_BYTES] for h in ch[:1200]))
+    assert (await index.size()).reverse_index_bytes == 1200 * INDEX_KEY_BYTES  # as it was
+    assert await index.apply(stored(a, 2, ch[1200:])) is ResultCode.OK
+    assert raw.hlen(r + ":s") == 1
+    assert raw.strlen(r) == 1500 * INDEX_KEY_BYTES - REVERSE_SEGMENT_BYTES
+    assert reverse_index(raw, r) == b"".join(h[:INDEX_KEY_BYTES] for h in ch)
+    assert (await index.size()).reverse_index_bytes == 1500 * INDEX_KEY_BYTES
+    assert await index.apply(EventBatch(a, 1, 3, (AllBlocksCleared(),))) is ResultCode.OK
     assert block_entries(redis_server.url, index.tag) == {}
 
 
@@ -499,7 +561,7 @@ async def test_lease_expiry_hides_worker_and_gc_removes_its_keys(redis_server: L
         assert raw.hget(f"{p}load", b) is None
         blocks = block_entries(redis_server.url, idx.tag)
         assert set(blocks) == block_keys(ch)  # only A's blocks are left; B-only blocks are gone
-        assert raw.get(f"{p}r:{a}") == b"".join(h[:INDEX_KEY_BYTES] for h in ch)  # 8 B each
+        assert reverse_index(raw, f"{p}r:{a}") == b"".join(h[:INDEX_KEY_BYTES] for h in ch)
         assert set(blocks.values()) == {a.to_bytes(2, "big")}
         assert await idx.gc() == 0
 
@@ -959,6 +1021,8 @@ def test_scripts_are_assembled_from_shared_fragments() -> None:
     # the scripts and the client cut digests to the same key length
     for name in ("apply", "lookup", "gc_chunk", "resync_chunk", "resync_commit", "register"):
         assert f"local KEY = {INDEX_KEY_BYTES}\n" in source(name), name
+    # and the client sizes the reverse index's segments as the scripts cut them
+    assert f"local SEG = {REVERSE_SEGMENT_BYTES // INDEX_KEY_BYTES} * KEY" in source("apply")
     with pytest.raises(ValueError):
         source("../index")
 

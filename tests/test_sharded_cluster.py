@@ -17,7 +17,7 @@ from prefixserve.router.index import IndexSettings, ResultCode
 from prefixserve.router.index_follower import IndexFollower, event_logs
 from prefixserve.router.index_stores import open_index
 from prefixserve.router.redis_records import key_tag
-from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
+from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, groups_of
 
 SHARDS = 3
 NS = namespace("sharded-cluster")
@@ -44,7 +44,7 @@ def model_on_every_shard(cluster: LocalRedisCluster, stem: str) -> str:
 def one_per_group() -> list[str]:
     found: dict[int, str] = {}
     for i in itertools.count():
-        found.setdefault(group_of(f"R{i}", SHARDS), f"R{i}")
+        found.setdefault(groups_of(f"R{i}", SHARDS)[0], f"R{i}")
         if len(found) == SHARDS:
             return [found[g] for g in range(SHARDS)]
     raise AssertionError

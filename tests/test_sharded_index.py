@@ -28,7 +28,7 @@ from prefixserve.router.redis_records import key_tag
 from prefixserve.router.request import Expected
 from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.router_state import RouterState
-from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, group_of
+from prefixserve.router.sharded_index import GROUP_SPAN, ShardedPrefixIndex, group_name, groups_of
 
 SHARDS = 3
 NS = namespace("sharded")
@@ -48,7 +48,7 @@ def one_per_group(shards: int = SHARDS) -> list[str]:
     found: dict[int, str] = {}
     i = 0
     while len(found) < shards:
-        found.setdefault(group_of(f"R{i}", shards), f"R{i}")
+        found.setdefault(groups_of(f"R{i}", shards)[0], f"R{i}")
         i += 1
     return [found[g] for g in range(shards)]
 
@@ -125,11 +125,49 @@ async def test_predictions_resync_and_removal_go_to_the_workers_group(
         await index.heartbeat(SHARDS * GROUP_SPAN + 1, 1, WorkerLoad())
 
 
-def test_groups_are_stable_and_spread() -> None:
-    groups = [group_of(f"replica-{i}", 4) for i in range(400)]
-    assert groups == [group_of(f"replica-{i}", 4) for i in range(400)]
-    assert all(60 < groups.count(g) < 140 for g in range(4))
+def test_candidate_groups_are_stable_distinct_and_spread() -> None:
+    pairs = [groups_of(f"replica-{i}", 4) for i in range(400)]
+    assert pairs == [groups_of(f"replica-{i}", 4) for i in range(400)]
+    assert all(a != b and {a, b} <= {0, 1, 2, 3} for a, b in pairs)
+    for g in range(4):
+        assert 60 < [a for a, _ in pairs].count(g) < 140
+        assert 60 < [b for _, b in pairs].count(g) < 140
+    assert groups_of("replica-0", 1) == (0, 0)
     assert len({key_tag(group_name("m", g)) for g in range(4)}) == 4  # a key prefix each
+
+
+async def test_a_replica_registers_in_the_emptier_of_its_two_groups(
+    redis_server: LocalRedis
+) -> None:
+    """60 replicas over 3 groups land 20 a group, where their first choices alone would not;
+    a live replica registering again stays in its group, and when one of its groups fails to
+    answer it registers in the other."""
+    names = [f"replica-{i}" for i in range(60)]
+    first = [groups_of(n, 3)[0] for n in names]
+    assert sorted(first.count(g) for g in range(3)) != [20, 20, 20]  # one hashed choice
+    model = "b" + uuid.uuid4().hex[:7]
+    settings = IndexSettings(shards=3, lease_ttl_s=30.0, shard_backoff_s=30.0)
+    with LocalRedis() as other:
+        def open_store(name: str) -> RedisPrefixIndex:
+            url = other.url if name == group_name(model, 2) else redis_server.url
+            return RedisPrefixIndex(url, name, deadline_s=0.5, settings=settings)
+
+        index = ShardedPrefixIndex(model, settings, open_store)
+        try:
+            ids = [await register(index, n) for n in names]
+            groups = [w // GROUP_SPAN for w in ids]
+            assert sorted(groups.count(g) for g in range(3)) == [20, 20, 20]
+            assert all(g in groups_of(n, 3) for n, g in zip(names, groups, strict=True))
+            # a new incarnation of a live replica finds its group and its id there
+            moved = next(i for i, n in enumerate(names) if groups[i] != first[i])
+            assert await register(index, names[moved], epoch=2) == ids[moved]
+            # group 2's shard is down: a new replica whose candidates include it goes to the other
+            other.stop()
+            late = next(f"late-{i}" for i in range(100) if 2 in groups_of(f"late-{i}", 3))
+            (rest,) = set(groups_of(late, 3)) - {2}
+            assert (await register(index, late)) // GROUP_SPAN == rest
+        finally:
+            await index.close()
 
 
 class Clock:

@@ -5,6 +5,7 @@
 -- -> OK (applied, or a duplicate seq), STALE_EPOCH or RESYNC_NEEDED
 --#include _blocks.lua
 --#include _codes.lua
+--#include _reverse.lua
 --#include _log.lua
 local st = redis.pcall('HMGET', KEYS[1], 'epoch', 'seq', 'gc', 'n')
 if st.err or not st[1] or st[3] or not tonumber(st[1]) then return RESYNC_NEEDED end
@@ -29,19 +30,19 @@ while pos <= len do
   pos = pos + 5 + cnt * 16
   if op == 'S' or op == 'H' or op == 'D' then
     local added = add_blocks(bkey, code, blob, 16, tiered(code, TIERS[op]))
-    if #added > 0 then redis.call('APPEND', rkey, table.concat(added)) end
+    rev_append(rkey, table.concat(added))
     n = n + #added
   elseif op == 'R' then
     n = n - remove_blocks(bkey, code, blob, 16)
   elseif op == 'C' then
-    remove_blocks(bkey, code, redis.call('GET', rkey) or '', KEY)
-    redis.call('DEL', rkey)
+    remove_blocks(bkey, code, rev_all(rkey), KEY)
+    rev_delete(rkey)
     n = 0
   end
 end
-if redis.call('STRLEN', rkey) / KEY > 2 * n + 1024 then
-  local keep = held_blocks(bkey, code, redis.call('GET', rkey))
-  if #keep > 0 then redis.call('SET', rkey, table.concat(keep)) else redis.call('DEL', rkey) end
+if rev_count(rkey) > 2 * n + 1024 then
+  local keep = held_blocks(bkey, code, rev_all(rkey))
+  rev_set(rkey, table.concat(keep))
   n = #keep
 end
 redis.call('HSET', KEYS[1], 'seq', seq, 'n', n)

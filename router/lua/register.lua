@@ -3,7 +3,7 @@
 --    | {IDS_EXHAUSTED, 0} (16,383 ids in use: a code's top two bits are its tier, _blocks.lua)
 --#include _now.lua
 --#include _codes.lua
---#include _key.lua
+--#include _reverse.lua
 local pfx, rid, epoch = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local owner = redis.call('GET', KEYS[5])
 if owner and owner ~= ARGV[8] then return {TAG_TAKEN, 0} end
@@ -29,7 +29,7 @@ if id then
   if not old then  -- junk or missing record: rebuild it; the resync fixes its entries
     redis.log(redis.LOG_WARNING, 'prefix index: worker record ' .. w .. ' rebuilt')
     redis.call('HDEL', w, 'gc', 'gcpos')
-    redis.call('HSET', w, 'rid', rid, 'n', math.floor(redis.call('STRLEN', pfx .. 'r:' .. id) / KEY))
+    redis.call('HSET', w, 'rid', rid, 'n', rev_count(pfx .. 'r:' .. id))
   end
   if not old or old < epoch then
     redis.call('HSET', w, 'epoch', ARGV[3], 'bs', ARGV[4], 'fp', ARGV[5], 'node', ARGV[6],
@@ -45,7 +45,8 @@ if i > 16383 then return {IDS_EXHAUSTED, 0} end
 redis.call('SADD', KEYS[1], i)
 redis.call('HSET', KEYS[2], rid, i)
 local w = pfx .. 'w:' .. i
-redis.call('DEL', w, pfx .. 'r:' .. i)
+redis.call('DEL', w)
+rev_delete(pfx .. 'r:' .. i)
 redis.call('HSET', w, 'rid', rid, 'epoch', ARGV[3], 'bs', ARGV[4], 'fp', ARGV[5],
            'node', ARGV[6], 'seq', 0, 'n', 0)
 redis.call('ZADD', KEYS[3], expiry, struct.pack('>H', i))
