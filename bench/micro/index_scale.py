@@ -144,6 +144,15 @@ class Model:
         """The distinct shards holding the model's groups."""
         return list({id(raw): raw for _, raw in self.parts}.values())
 
+    def spread(self, n: int) -> list[int]:
+        """``n`` workers, rounded up to a multiple of the groups, as many from each: publishers
+        that load every group alike, as a fleet's whole set of workers does."""
+        by_group: dict[int, list[int]] = {}
+        for w in self.ids:
+            by_group.setdefault(w // GROUP_SPAN if len(self.parts) > 1 else 0, []).append(w)
+        per = -(-n // len(self.parts))
+        return [w for ws in by_group.values() for w in ws[:per]]
+
     def part(self, worker_id: int) -> tuple[RedisPrefixIndex, redis.Redis, int]:
         """A worker's group store, its shard and the worker's id there."""
         group, local = divmod(worker_id, GROUP_SPAN) if len(self.parts) > 1 else (0, worker_id)
@@ -313,17 +322,19 @@ async def lookup_phase(model: Model, label: str, n: int, rng: random.Random,
 
 async def saturation(model: Model, batch: int, workers: int, seconds: float) -> dict:
     """Apply throughput with ``workers`` concurrent publishers churning as fast as they can
-    (a sharded model's spread over its groups' shards: CPU per shard)."""
+    (a sharded model's: as many in each group, ``workers`` rounded up to a multiple of the
+    groups; CPU per shard)."""
     raws, sha = model.shards(), script_sha("apply")
     for raw in raws:
         raw.slowlog_reset()
     cpu0 = [server_cpu_s(raw) for raw in raws]
-    bg = Churn(model, model.ids[:workers], batch, 0.0).start()
+    publishers = model.spread(workers)
+    bg = Churn(model, publishers, batch, 0.0).start()
     await asyncio.sleep(seconds)
     rate = await bg.stop()
     cpu = [server_cpu_s(raw) - c for raw, c in zip(raws, cpu0, strict=True)]
     server = [ms for raw in raws for ms in slowlog_ms(raw, sha)]
-    row = {"phase": f"saturation {batch}-block batches x{workers}", "events_per_s": rate,
+    row = {"phase": f"saturation {batch}-block batches x{len(publishers)}", "events_per_s": rate,
            "events": bg.events, "redis_cpu_us_per_event": sum(cpu) / bg.events * 1e6,
            "redis_cpu_s_per_shard": cpu,
            # the event rate at which the busiest shard would use a whole core: what the shards
