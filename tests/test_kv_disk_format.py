@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from prefixserve.workers.kv_tiers import disk_format
 from prefixserve.workers.kv_tiers.base import LoadFailed
 from prefixserve.workers.kv_tiers.disk_format import (
     HEADER,
@@ -70,6 +71,11 @@ def test_a_failed_write_leaves_no_file(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(OSError, match="No space"):
         write_block(tmp_path, KEY, H, memoryview(PAYLOAD))
     assert list(tmp_path.iterdir()) == []  # the temporary file went too
+    monkeypatch.setattr(disk_format, "open", lambda *a: full(*a), raising=False)
+    with pytest.raises(OSError) as failed:  # the disk is full before the file exists
+        write_block(tmp_path, KEY, H, memoryview(PAYLOAD))
+    assert failed.value.errno == 28  # the write's own error, not the cleanup's missing file
+    assert list(tmp_path.iterdir()) == []
 
 
 def header(magic: bytes = MAGIC, key: bytes = KEY, h: bytes = H, n: int = len(PAYLOAD),
@@ -110,6 +116,8 @@ def test_each_bad_file_fails_with_its_reason(tmp_path: Path, mangle, reason: str
     with pytest.raises(LoadFailed) as failed:
         read_block(path, KEY, H, len(PAYLOAD))
     assert failed.value.reason == reason
+    if reason == "checksum":  # the file that failed is named
+        assert str(failed.value) == f"checksum: {path}"
 
 
 def test_a_missing_file_or_a_payload_of_another_size_fails(tmp_path: Path) -> None:
