@@ -29,7 +29,7 @@ from prefixserve.cluster.render import WORKER_HEADER
 from prefixserve.router.blocks import hash_chain, namespace
 from prefixserve.router.index import IndexSettings, WorkerInfo
 from prefixserve.router.index_stores import open_index
-from prefixserve.router.sharded_index import GROUP_SPAN, groups_of
+from prefixserve.router.sharded_index import GROUP_SPAN, group_name
 from prefixserve.workers.builtin import ensure_builtin_model
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME, checkpoint_fingerprint
 
@@ -74,6 +74,18 @@ def live_workers(url: str) -> list[WorkerInfo]:
             return await index.live_workers()
         finally:
             await index.close()
+
+    return asyncio.run(go())
+
+
+def group_members(url: str, group: int) -> set[tuple[str, int]]:
+    """(replica id, id in the group) of each live worker, read from one group's own store."""
+    async def go() -> set[tuple[str, int]]:
+        store = open_index(url, group_name(BUILTIN_MODEL_NAME, group), deadline_s=1.0)
+        try:
+            return {(w.replica_id, w.worker_id) for w in await store.live_workers()}
+        finally:
+            await store.close()
 
     return asyncio.run(go())
 
@@ -129,9 +141,12 @@ def test_serving_goes_on_after_a_node_is_removed(deployed: Deployed,
     holder = complete(deployed.url, [*p, 1, 2]).headers[WORKER_HEADER]
     assert depths(redis_server.url, [*p, 1, 2]).get(holder, 0) >= 8
     workers = live_workers(redis_server.url)
-    # each worker registered in one of its groups' part of the index (the id carries the group)
+    # each worker registered in one group's part of the index, the group its id carries
+    members = [group_members(redis_server.url, g) for g in range(2)]
     assert len(workers) == 3 and all(
-        divmod(w.worker_id, GROUP_SPAN)[0] in groups_of(w.replica_id, 2) for w in workers)
+        (w.replica_id, w.worker_id % GROUP_SPAN) in members[w.worker_id // GROUP_SPAN]
+        for w in workers)
+    assert sum(map(len, members)) == 3
     node_of = {w.replica_id: w.node for w in workers}
     (victim,) = [n for n in deployed.nodes if n.node_id == node_of[holder]]
 

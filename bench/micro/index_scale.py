@@ -149,7 +149,7 @@ class Model:
         that load every group alike, as a fleet's whole set of workers does."""
         by_group: dict[int, list[int]] = {}
         for w in self.ids:
-            by_group.setdefault(w // GROUP_SPAN if len(self.parts) > 1 else 0, []).append(w)
+            by_group.setdefault(w // GROUP_SPAN, []).append(w)  # 0 for an unsharded model
         per = -(-n // len(self.parts))
         return [w for ws in by_group.values() for w in ws[:per]]
 

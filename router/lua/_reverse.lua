@@ -51,12 +51,7 @@ end
 
 -- every key, as one blob
 local function rev_all(rkey)
-  local fields = {}
-  for i = 0, redis.call('HLEN', sealed_key(rkey)) - 1 do fields[#fields + 1] = i end
-  local parts = #fields > 0 and redis.call('HMGET', sealed_key(rkey), unpack(fields)) or {}
-  for i = 1, #parts do parts[i] = parts[i] or '' end
-  parts[#parts + 1] = redis.call('GET', rkey) or ''
-  return table.concat(parts)
+  return rev_range(rkey, 0, rev_count(rkey) + 1)
 end
 
 -- drops every key
