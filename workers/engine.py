@@ -102,7 +102,7 @@ class LLMEngine(EngineCore):
         dtype = config.dtype_for(device.type)
         if config.dtype == "auto" and device.type == "cpu":
             log.info("dtype auto: %s, as %s", dtype, cpu_auto_dtype()[1])
-        model = load_model(path, dtype, device)
+        model = load_model(path, dtype, device, config.quantization)
         fingerprint = config.model_fingerprint or checkpoint_fingerprint(path)
         tokenizer = Path(path) if (Path(path) / "tokenizer.json").is_file() else None
         engine = cls(model, config, fingerprint, on_kv_events, tokenizer)

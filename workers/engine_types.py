@@ -52,6 +52,11 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weights and KV cache dtype; auto: bfloat16 on GPU and on CPUs with "
         "AMX or AVX512-BF16, float32 on other CPUs")
+    quantization: Literal["none", "int4", "int8"] = Field(
+        "none", description="Weight-only quantization of the linear layers, CPU only (vLLM's "
+        "--quantization): int4 in groups of 32 with a scale and offset each (GGUF Q4_1's "
+        "shape), int8 with a scale per output row; decode batches up to a size measured at "
+        "start run torch's packed kernels, larger ones a dense copy of the same weights")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
     kv_offloading_size: float = Field(
         0.0, ge=0.0, description="GiB of host memory per worker for KV blocks evicted from "

@@ -2,6 +2,7 @@
 
     python -m prefixserve.bench.micro.step_profile                       # fp32, 1 thread
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
+    python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --quantization int4
 
 One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
 (greedy, EOS ignored); then ``--batch`` sizes decode together. Each step is timed as it runs
@@ -35,6 +36,7 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.models.quantization import QuantizedLinear
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
         "sampling", "scheduling", "engine other")
@@ -56,8 +58,8 @@ def _timed(fn) -> float:
 
 
 def weight_bytes(engine: LLMEngine) -> int:
-    """Bytes a decode step reads: every parameter, less the embedding table (read by row)
-    unless the LM head is the same tensor."""
+    """Bytes a single stream's decode step reads: every parameter, less the embedding table
+    (read by row) unless the LM head is the same tensor; a quantized layer's packed weights."""
     model = engine.model
     embed = model.embed_tokens.weight
     tied = model.lm_head.weight.data_ptr() == embed.data_ptr()
@@ -67,7 +69,8 @@ def weight_bytes(engine: LLMEngine) -> int:
             continue
         seen.add(p.data_ptr())
         total += p.numel() * p.element_size()
-    return total
+    return total + sum(m.packed_bytes() for m in model.modules()
+                       if isinstance(m, QuantizedLinear))
 
 
 class Parts:
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quantization", default="none", choices=("none", "int4", "int8"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--decode", type=int, default=128)
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batch.split(",")]
     tokens = max(batches) * args.prompt
-    config = EngineConfig(dtype=args.dtype, max_num_seqs=max(batches),
+    config = EngineConfig(dtype=args.dtype, quantization=args.quantization,
+                          max_num_seqs=max(batches),
                           max_num_batched_tokens=max(tokens, 2048), enable_prefix_caching=False,
                           num_blocks=max(batches) * (args.prompt + args.decode + 32) // 16 + 64)
     engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), config)
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     weights = weight_bytes(engine)
     floor_s = weights / (bw * 1e9)
     out: dict = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype,
+                 "quantization": args.quantization,
                  "read_bandwidth_gb_s": round(bw, 1), "weight_bytes_per_step": weights,
                  "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}
     print(json.dumps({k: v for k, v in out.items() if k != "batches"}), flush=True)

@@ -35,6 +35,8 @@ def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor
                  ", pinned" if kv_cache.is_cuda else "")
     if config.kv_disk_dir:
         dtype = str(io.dtype).removeprefix("torch.")
+        if config.quantization != "none":  # the quantized weights compute other KV
+            fingerprint = f"{fingerprint}+{config.quantization}"
         key, layout = layout_key(fingerprint, config.block_size, dtype, io.block_shape)
         disk = DiskTier(Path(config.kv_disk_dir).expanduser(), key, layout, io.block_shape,
                         io.dtype, int(config.kv_disk_size * GIB))

@@ -10,6 +10,7 @@ the config's architecture.
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,10 @@ from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.gguf import GGUFFile
 from prefixserve.workers.models.base import CausalLM, to_dtype
 from prefixserve.workers.models.config import ModelConfig, load_model_config
+from prefixserve.workers.models.quantization import quantize_model
 from prefixserve.workers.models.registry import Architecture, get_architecture
+
+log = logging.getLogger(__name__)
 
 WeightStream = Iterator[tuple[str, torch.Tensor]]
 
@@ -41,13 +45,20 @@ def safetensors_weights(path: str | Path) -> WeightStream:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu"
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
+    quantization: str = "none",
 ) -> CausalLM:
-    """Build the model on `device` in `dtype` and fill it from the checkpoint at `path`."""
+    """Build the model on `device` in `dtype` and fill it from the checkpoint at `path`; then
+    quantize its linear layers unless `quantization` is "none"."""
     if is_gguf(path):
         gguf = GGUFFile(path)
-        return build_model(gguf.config, gguf.iter_tensors(), dtype, device, path)
-    return build_model(load_model_config(path), safetensors_weights(path), dtype, device, path)
+        model = build_model(gguf.config, gguf.iter_tensors(), dtype, device, path)
+    else:
+        model = build_model(load_model_config(path), safetensors_weights(path), dtype, device,
+                            path)
+    if quantization != "none":
+        log.info("%s", quantize_model(model, quantization))
+    return model
 
 
 def architecture_class(architecture: Architecture) -> type[CausalLM]:

@@ -1,0 +1,221 @@
+"""Weight-only int4/int8 quantization: the packing against its formula and the kernels, the
+layer's two paths, the model swap, and the engine against transformers on the same
+dequantized weights (exact on the dense path; top-1 and logprobs on the packed one)."""
+
+import copy
+
+import pytest
+import torch
+from pydantic import ValidationError
+from test_engine import GREEDY, hf_greedy, prompts, write_checkpoint
+from test_kv_tiers import engine as tiered_engine
+from test_kv_tiers import settle
+
+from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.models.quantization import (
+    CROSSOVER_ROWS,
+    INT4_GROUP,
+    METHODS,
+    QuantizedLinear,
+    measure_crossover,
+    pack_int4,
+    pack_int8,
+    quantize_model,
+)
+
+
+def kernel_weight(layer: QuantizedLinear) -> torch.Tensor:
+    """The weight the packed kernel multiplies by, read back through it: identity @ W^T."""
+    eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    return layer.method.matmul(eye, layer.packed, layer.scales).float().t()
+
+
+def linear(out_f: int, in_f: int, bias: bool = False, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(in_f, out_f, bias=bias)
+    with torch.no_grad():
+        layer.weight.mul_(torch.linspace(0.2, 5.0, in_f))  # groups of very different ranges
+        layer.weight[3, :INT4_GROUP] = 0.75  # one constant group
+    return layer
+
+
+def test_int4_groups_span_their_range_within_half_a_step() -> None:
+    w = linear(48, 128).weight.detach()
+    packed, scales, dense = pack_int4(w)
+    assert packed.dtype == torch.uint8 and scales.shape == (128 // INT4_GROUP, 48, 2)
+    s = scales[..., 0].float().t().repeat_interleave(INT4_GROUP, 1)
+    z = scales[..., 1].float().t().repeat_interleave(INT4_GROUP, 1)
+    q = (dense - z) / s + 8
+    assert torch.equal(q, q.round()) and q.min() >= 0 and q.max() <= 15
+    # each group's min lands on q = 0 and its max on q = 15, give or take the bf16 zero's rounding
+    err = (w - dense).abs()
+    assert (err <= s / 2 + z.abs() * 2**-8 + 1e-6).all()
+    assert float(err.mean()) < float(s.mean()) / 3
+    assert torch.allclose(dense[3, :INT4_GROUP], torch.full((INT4_GROUP,), 0.75), atol=4e-3)
+
+
+def test_int8_rows_are_symmetric_within_half_a_step() -> None:
+    w = linear(48, 100).weight.detach()
+    packed, scales, dense = pack_int8(w)
+    assert packed.dtype == torch.int8 and scales.shape == (48,)
+    assert int(packed.abs().max()) == 127  # the row's largest magnitude uses the whole range
+    assert torch.equal(dense, packed.float() * scales.float()[:, None])
+    assert ((w - dense).abs() <= scales.float()[:, None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_the_kernel_multiplies_by_the_dense_copy(name) -> None:
+    layer = QuantizedLinear(linear(64, 96, bias=True), METHODS[name])
+    assert torch.allclose(kernel_weight(layer), layer.weight, atol=2e-2, rtol=1e-2)
+    x = torch.randn(5, 96)
+    layer.packed_rows = 4  # 5 rows: the dense copy, exactly
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    layer.packed_rows = 8  # the packed kernel, bf16 activations, the bias added
+    y = layer(x)
+    assert y.dtype == torch.float32
+    ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert torch.allclose(y, ref, atol=0.15, rtol=0.02)
+    assert not torch.equal(y, ref)
+
+
+def tiny_model(in_widths=(64, 80)) -> torch.nn.Module:
+    model = torch.nn.Sequential(torch.nn.Embedding(10, in_widths[0]),
+                                torch.nn.Linear(in_widths[0], in_widths[1]),
+                                torch.nn.Sequential(torch.nn.Linear(in_widths[1], 32)))
+    return model.eval()
+
+
+def test_quantize_model_swaps_the_layers_it_can_pack() -> None:
+    model = tiny_model()
+    before = model[1].weight.detach().clone()
+    line = quantize_model(model, "int4", packed_rows=3)
+    assert isinstance(model[1], QuantizedLinear) and model[1].packed_rows == 3
+    assert isinstance(model[2][0], torch.nn.Linear)  # 80 inputs: not a multiple of 32
+    assert "1 linear layers packed" in line and "up to 3 rows" in line
+    assert "1 kept dense (input width not a multiple of 32)" in line
+    assert torch.equal(model[1].weight, pack_int4(before)[2])
+    assert model[1].packed_bytes() == 80 * 64 // 2 + 2 * 80 * 2 * 2
+    int8 = tiny_model()
+    assert "2 linear layers packed" in quantize_model(int8, "int8", packed_rows=0)
+
+
+def test_quantize_model_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(UnsupportedModelError, match="input width divisible by 32"):
+        quantize_model(tiny_model((48, 80)), "int4", packed_rows=1)
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        quantize_model(tiny_model(), "int3")
+    with torch.device("meta"):
+        on_meta = tiny_model()
+    with pytest.raises(UnsupportedModelError, match="CPU only, not meta"):
+        quantize_model(on_meta, "int4")
+    with pytest.raises(ValidationError):
+        EngineConfig(quantization="int3")
+
+
+def test_the_crossover_is_where_dense_first_wins() -> None:
+    model = tiny_model((256, 512))
+    line = quantize_model(model, "int4")  # measured
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    rows = layers[0].packed_rows
+    assert all(m.packed_rows == rows for m in layers) and "measured" in line
+    best, times = measure_crossover(layers, reps=1)
+    tried = list(times)
+    assert tried == list(CROSSOVER_ROWS[: len(tried)])
+    assert all(times[m][0] < times[m][1] for m in tried if m <= best)
+    if best != CROSSOVER_ROWS[-1]:
+        assert times[tried[-1]][0] >= times[tried[-1]][1]  # it stopped where dense won
+
+
+# ------------------------------------------------------------------ the engine, refereed
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    return path, write_checkpoint(path, "llama")
+
+
+def quantized_reference(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """transformers' model with every linear weight replaced by its dequantized copy."""
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in ref.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.weight.copy_(METHODS[name].pack(m.weight)[2])
+    return ref
+
+
+def quantized_engine(path, name: str, packed_rows: int, **kw) -> LLMEngine:
+    eng = LLMEngine.from_pretrained(path, EngineConfig(
+        device="cpu", block_size=4, num_blocks=128, quantization=name, **kw))
+    layers = [m for m in eng.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 4 + 1  # every projection of both layers, and the LM head
+    for m in layers:
+        m.packed_rows = packed_rows
+    return eng
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_dense_path_equals_transformers_on_the_dequantized_weights(llama, name) -> None:
+    path, model = llama
+    ref = quantized_reference(model, name)
+    eng = quantized_engine(path, name, packed_rows=0)
+    batch = prompts(3, 9, 17, 30, start=5)
+    first = eng.generate(batch, GREEDY)
+    again = eng.generate(batch, GREEDY)  # prefix hits
+    assert sum(r.num_cached_tokens for r in again) > 0
+    for p, a, b in zip(batch, first, again, strict=True):
+        want = hf_greedy(ref, p, 8)
+        assert a.samples[0].token_ids == want and b.samples[0].token_ids == want
+    if name == "int4":  # it moved the model: not all of these are the unquantized tokens
+        assert any(hf_greedy(ref, p, 8) != hf_greedy(model, p, 8) for p in batch)
+
+
+@pytest.mark.parametrize("name", ["int4", "int8"])
+def test_packed_path_agrees_with_transformers_on_the_dequantized_weights(llama, name) -> None:
+    """Packed kernels run bf16 activations: judged as the bf16 referee is, by transformers'
+    top-1 (teacher-forced on the engine's tokens) and logprobs, with and without prefix hits."""
+    path, model = llama
+    ref = quantized_reference(model, name)
+    eng = quantized_engine(path, name, packed_rows=64)
+    batch = prompts(5, 12, 24, 40, start=11)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    results = eng.generate(batch, params) + eng.generate(batch, params)
+    assert sum(r.num_cached_tokens for r in results[len(batch):]) > 0
+    agree, gaps = [], []
+    for p, r in zip(batch + batch, results, strict=True):
+        sample = r.samples[0]
+        with torch.no_grad():
+            logits = ref(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1: -1]
+        ref_lp = torch.log_softmax(logits.float(), dim=-1)
+        for k, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
+            agree.append(int(ref_lp[k].argmax()) == tok)
+            assert float(ref_lp[k].max() - ref_lp[k, tok]) < 0.1
+            gaps.append(abs(float(ref_lp[k, tok]) - lp.logprob))
+    assert sum(agree) / len(agree) >= 0.9
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03
+
+
+def test_quantized_kv_is_kept_apart_on_disk(tmp_path) -> None:
+    """A disk tier's blocks were computed by its model's weights: quantized weights compute
+    other KV, so they get a folder of their own, and a restart in the same mode finds its own."""
+    path = tmp_path / "ckpt"
+    model = write_checkpoint(path, "llama")
+    disk = tmp_path / "kv"
+    prompt = prompts(40, start=3)[0]
+    for quantization in ("none", "int4"):
+        eng = tiered_engine(path, disk=disk, quantization=quantization)
+        assert not eng.tiers.disk.files
+        eng.generate([prompt], GREEDY)
+        settle(eng)
+        assert eng.tiers.disk.files
+        eng.tiers.close()
+    plain = tiered_engine(path, disk=disk)
+    assert plain.tiers.disk.files
+    (warm,) = plain.generate([prompt], GREEDY)
+    assert warm.num_cached_tokens == 36  # all but the last block, computed for its logits
+    assert warm.samples[0].token_ids == hf_greedy(model, prompt, 8)
+    plain.tiers.close()
