@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType, quants
 from pydantic import ValidationError
 from test_engine import GREEDY, hf_greedy, prompts, write_checkpoint
 from test_kv_tiers import engine as tiered_engine
@@ -55,6 +56,20 @@ def test_int4_groups_span_their_range_within_half_a_step() -> None:
     assert (err <= s / 2 + z.abs() * 2**-8 + 1e-6).all()
     assert float(err.mean()) < float(s.mean()) / 3
     assert torch.allclose(dense[3, :INT4_GROUP], torch.full((INT4_GROUP,), 0.75), atol=4e-3)
+
+
+def test_int4_keeps_a_q4_1_gguf_weight_to_its_level() -> None:
+    """GGUF's Q4_1 has int4's shape (32 values, a scale and a min): packing a weight that a
+    Q4_1 file holds moves no value to another level, only by the bf16 rounding of its group's
+    scale and offset (the file's are fp16). So `--quantization int4` on a Q4_1 GGUF serves
+    the file's own weights."""
+    w = linear(48, 128).weight.detach().numpy()
+    q41 = torch.from_numpy(quants.dequantize(quants.quantize(w, GGMLQuantizationType.Q4_1),
+                                             GGMLQuantizationType.Q4_1))
+    _, scales, dense = pack_int4(q41)
+    step = scales[..., 0].float().t().repeat_interleave(INT4_GROUP, 1)
+    assert float(((dense - q41).abs() / step).max()) < 0.1
+    assert float(((dense - torch.from_numpy(w)).abs() / step).max()) > 0.4  # w itself moved
 
 
 def test_int8_rows_are_symmetric_within_half_a_step() -> None:
