@@ -3,6 +3,7 @@ layer's two paths, the model swap, and the engine against transformers on the sa
 dequantized weights (exact on the dense path; top-1 and logprobs on the packed one)."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -11,6 +12,12 @@ from pydantic import ValidationError
 from test_engine import GREEDY, hf_greedy, prompts, write_checkpoint
 from test_kv_tiers import engine as tiered_engine
 from test_kv_tiers import settle
+from test_lora import GREEDY as LORA_GREEDY
+from test_lora import MIX
+from test_lora import _engine as lora_engine
+from test_lora import _greedy as lora_greedy
+from test_lora import _prompt as lora_prompt
+from test_lora import models as lora_models  # noqa: F401 (a fixture: base and adapters)
 
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
@@ -96,29 +103,38 @@ def test_the_kernel_multiplies_by_the_dense_copy(name) -> None:
     assert not torch.equal(y, ref)
 
 
-def tiny_model(in_widths=(64, 80)) -> torch.nn.Module:
-    model = torch.nn.Sequential(torch.nn.Embedding(10, in_widths[0]),
-                                torch.nn.Linear(in_widths[0], in_widths[1]),
-                                torch.nn.Sequential(torch.nn.Linear(in_widths[1], 32)))
-    return model.eval()
+def tiny_model(widths=(64, 80, 32, 24)) -> torch.nn.Module:
+    """Linear layers from each width to the next (after an embedding of the first)."""
+    layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
+    return torch.nn.Sequential(torch.nn.Embedding(10, widths[0]),
+                               torch.nn.Sequential(*layers)).eval()
 
 
 def test_quantize_model_swaps_the_layers_it_can_pack() -> None:
+    """Only widths the kernels take are packed: on others they crash the process (int4:
+    inputs of 32s, outputs of 16s; int8: inputs of 16s)."""
     model = tiny_model()
-    before = model[1].weight.detach().clone()
+    before = model[1][0].weight.detach().clone()
     line = quantize_model(model, "int4", packed_rows=3)
-    assert isinstance(model[1], QuantizedLinear) and model[1].packed_rows == 3
-    assert isinstance(model[2][0], torch.nn.Linear)  # 80 inputs: not a multiple of 32
+    first, second, third = model[1]
+    assert isinstance(first, QuantizedLinear) and first.packed_rows == 3
+    assert type(second) is torch.nn.Linear  # 80 inputs: not a multiple of 32
+    assert type(third) is torch.nn.Linear  # 24 outputs: not a multiple of 16
     assert "1 linear layers packed" in line and "up to 3 rows" in line
-    assert "1 kept dense (input width not a multiple of 32)" in line
-    assert torch.equal(model[1].weight, pack_int4(before)[2])
-    assert model[1].packed_bytes() == 80 * 64 // 2 + 2 * 80 * 2 * 2
-    int8 = tiny_model()
-    assert "2 linear layers packed" in quantize_model(int8, "int8", packed_rows=0)
+    assert "2 kept dense (it packs inputs a multiple of 32, outputs a multiple of 16)" in line
+    assert torch.equal(first.weight, pack_int4(before)[2])
+    assert first.packed_bytes() == 80 * 64 // 2 + 2 * 80 * 2 * 2
+    int8 = tiny_model((64, 80, 24, 7))
+    line = quantize_model(int8, "int8", packed_rows=0)
+    assert "2 linear layers packed" in line and "1 kept dense (it packs inputs a multiple of 16)" \
+        in line
+    assert type(int8[1][2]) is torch.nn.Linear  # 24 inputs
+    assert isinstance(int8[1][1], QuantizedLinear)  # 24 outputs are fine for int8
+    assert int8[1][1](torch.randn(2, 80)).shape == (2, 24)
 
 
 def test_quantize_model_refuses_what_it_cannot_run() -> None:
-    with pytest.raises(UnsupportedModelError, match="input width divisible by 32"):
+    with pytest.raises(UnsupportedModelError, match="no linear layer of this model has widths"):
         quantize_model(tiny_model((48, 80)), "int4", packed_rows=1)
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         quantize_model(tiny_model(), "int3")
@@ -131,7 +147,7 @@ def test_quantize_model_refuses_what_it_cannot_run() -> None:
 
 
 def test_the_crossover_is_where_dense_first_wins() -> None:
-    model = tiny_model((256, 512))
+    model = tiny_model((256, 512, 256))
     line = quantize_model(model, "int4")  # measured
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     rows = layers[0].packed_rows
@@ -234,3 +250,27 @@ def test_quantized_kv_is_kept_apart_on_disk(tmp_path) -> None:
     assert warm.num_cached_tokens == 36  # all but the last block, computed for its logits
     assert warm.samples[0].token_ids == hf_greedy(model, prompt, 8)
     plain.tiers.close()
+
+
+def test_lora_adapters_run_over_quantized_layers(lora_models) -> None:  # noqa: F811
+    """An adapter adds to a quantized projection's output as to a dense one's: on the dense
+    path, a mixed batch's greedy tokens per adapter are PEFT's over the dequantized base."""
+    base, folders, refs = lora_models
+    eng = lora_engine(base, folders, quantization="int4")
+    layers = [m for m in eng.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 2 * 3  # down_proj's 112 inputs and the LM head's 300 outputs: dense
+    for m in layers:
+        m.packed_rows = 0
+    prompts_ = [lora_prompt(20 + 3 * i, seed=i) for i in range(len(MIX))]
+    expected = []
+    for name, p in zip(MIX, prompts_, strict=True):
+        ref = copy.deepcopy(refs[name])
+        with torch.no_grad():
+            for module_name, m in ref.named_modules():
+                if (isinstance(m, torch.nn.Linear) and "lora_" not in module_name
+                        and METHODS["int4"].packs(m)):
+                    m.weight.copy_(pack_int4(m.weight)[2])
+        expected.append(lora_greedy(ref, p))
+    outs = eng.generate(prompts_, LORA_GREEDY, lora=MIX)
+    assert [o.samples[0].token_ids for o in outs] == expected
+    assert expected[0] != expected[2]

@@ -39,7 +39,7 @@ def quantized(model: torch.nn.Module, name: str) -> torch.nn.Module:
     out = copy.deepcopy(model)
     with torch.no_grad():
         for m in out.modules():
-            if isinstance(m, torch.nn.Linear) and m.in_features % METHODS[name].group == 0:
+            if isinstance(m, torch.nn.Linear) and METHODS[name].packs(m):
                 m.weight = torch.nn.Parameter(METHODS[name].pack(m.weight)[2])  # untied
     return out
 

@@ -13,7 +13,8 @@ on its own layers, not guessed.
   (GGUF's Q4_1 has the same shape); s and z in bf16, as the kernel takes them.
 - int8: one bf16 scale per output row, symmetric, q in -127..127.
 
-A layer whose input width is not a multiple of the method's group stays dense.
+A layer whose widths the kernel does not take (int4: inputs a multiple of 32, outputs of 16; int8:
+inputs a multiple of 16) stays dense.
 """
 
 from __future__ import annotations
@@ -40,9 +41,14 @@ class Method:
     """One quantization: how a weight [out, in] packs, and the kernel that multiplies by it."""
 
     name: str
-    group: int  # input features per scale: `in` must be a multiple of it
+    # the kernel's shapes (it crashes the process on others): `in` and `out` multiples of these
+    in_multiple: int
+    out_multiple: int
     pack: Callable[[torch.Tensor], Packed]
     matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # bf16 x
+
+    def packs(self, layer: nn.Linear) -> bool:
+        return not (layer.in_features % self.in_multiple or layer.out_features % self.out_multiple)
 
 
 def pack_int4(weight: torch.Tensor) -> Packed:
@@ -76,8 +82,8 @@ def _int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) ->
 
 
 METHODS: Registry[Method] = Registry("quantization", {
-    "int4": Method("int4", INT4_GROUP, pack_int4, _int4_matmul),
-    "int8": Method("int8", 1, pack_int8, _int8_matmul),
+    "int4": Method("int4", INT4_GROUP, 16, pack_int4, _int4_matmul),
+    "int8": Method("int8", 16, 1, pack_int8, _int8_matmul),
 })
 
 
@@ -125,7 +131,7 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            if child.in_features % method.group:
+            if not method.packs(child):
                 dense.append(f"{parent_name}.{child_name}".lstrip("."))
                 continue
             layer = QuantizedLinear(child, method)
@@ -133,7 +139,7 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
             layers.append(layer)
     if not layers:
         raise UnsupportedModelError(f"quantization {name!r}: no linear layer of this model has "
-                                    f"an input width divisible by {method.group}")
+                                    f"widths it packs ({_widths(method)})")
     timings = ""
     if packed_rows is None:
         packed_rows, times = measure_crossover(layers)
@@ -141,10 +147,14 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
             f"{m} rows {p:.3g}/{d:.3g}" for m, (p, d) in times.items()) + ")"
     for layer in layers:
         layer.packed_rows = packed_rows
-    kept = f"; {len(dense)} kept dense (input width not a multiple of {method.group})" \
-        if dense else ""
+    kept = f"; {len(dense)} kept dense (it packs {_widths(method)})" if dense else ""
     return (f"quantization {name}: {len(layers)} linear layers packed, the kernel taking "
             f"batches of up to {packed_rows} rows{timings}{kept}")
+
+
+def _widths(method: Method) -> str:
+    outs = f", outputs a multiple of {method.out_multiple}" if method.out_multiple > 1 else ""
+    return f"inputs a multiple of {method.in_multiple}{outs}"
 
 
 def measure_crossover(layers: list[QuantizedLinear], reps: int = 3,
