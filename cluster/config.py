@@ -151,6 +151,9 @@ class ClusterConfig(BaseModel):
                 f"policy {self.policy!r} needs the Redis index: set redis_url (or "
                 f"{REDIS_URL_ENV}); `prefixserve serve` starts a private Redis for you"
             )
+        if self.workers.on_gpu and self.engine.quantization != "none":
+            raise ValueError(f"quantization {self.engine.quantization!r} runs on CPU workers "
+                             "only (gpus_per_worker 0)")
         return self
 
     # --- derived ---------------------------------------------------------------------------

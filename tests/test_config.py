@@ -126,6 +126,8 @@ def test_string_args_are_coerced_like_serve_builder_args() -> None:
         ({"cpus_per_worker": 0}, "greater than 0"),
         ({"gpus_per_worker": 2}, "less than or equal to 1"),
         ({"dtype": "int8"}, "'auto', 'float32'"),
+        ({"quantization": "int3"}, "'none', 'int4' or 'int8'"),
+        ({"quantization": "int4", "gpus_per_worker": 1}, "runs on CPU workers only"),
         ({"port": 70000}, "less than or equal to 65535"),
         ({"num_wrokers": 2}, "Extra inputs are not permitted"),
         ({"max_queued_requests": 0}, "greater than or equal to 1"),
