@@ -165,6 +165,13 @@ def test_offload_once_and_one_cached_block(llama) -> None:
     flood(eng, n=3, start=60)  # evicted again: the host copies are only touched
     assert all(h in host for h in chain)
     assert sorted(h for h in puts if h in set(chain)) == sorted(chain)  # each copied once
+    # blocks the host tier holds (p's), then blocks it does not (q's), evicted together: q's
+    # are copied all the same
+    eng.generate([p], GREEDY)
+    (q,) = prompts(41, start=5)
+    eng.generate([q], GREEDY)
+    flood(eng, n=3, start=70)
+    assert all(h in host for h in hashes_of(eng, q)[:10])
     assert len(host.slots) + len(host._free) == host.num_slots  # no slot leaks
 
 
@@ -354,10 +361,13 @@ def test_reset_clears_every_tier(llama, tmp_path) -> None:
     path, _ = llama
     eng = engine(path, host_blocks=16, disk=tmp_path)
     eng.generate(prompts(41, start=18), GREEDY)
-    flood(eng, n=1)
+    flood(eng, n=3)
+    settle(eng)
+    assert len(eng.tiers.host) > 0 and eng.tiers.disk.files
     eng.reset_prefix_cache()
     settle(eng)
     assert not eng.cached_block_hashes() and not list(eng.tiers.disk.folder.glob("*.kv"))
+    assert len(eng.tiers.host) == 0 and not eng.tiers.disk.files
     eng.tiers.close()
 
 
@@ -391,4 +401,55 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
             outs[o.request_id].extend(o.new_token_ids)
     assert outs["p"] == hf_greedy(model, p, 6)
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+    eng.tiers.close()
+
+
+def test_tier_counters_and_rates_are_exact(llama) -> None:
+    """What the engine reports of its host tier: bytes offloaded (each evicted block once),
+    bytes loaded, the load rate in tokens a second from those counters, the tier's usage, and
+    every hash it holds."""
+    path, _ = llama
+    eng = engine(path, host_blocks=32)
+    host = eng.tiers.host
+    puts: list[bytes] = []
+    put = host.put
+    host.put = lambda h: (puts.append(h), put(h))[1]
+    (p,) = prompts(41, start=23)
+    eng.generate([p], GREEDY)
+    flood(eng, n=2)
+    s = eng.stats()
+    size = block_bytes(eng)
+    assert s.tiers.offloaded_bytes[HOST] == len(puts) * size and len(puts) > 10
+    assert s.tiers.host_usage == len(host) / host.num_slots == len(host) / 32
+    assert 0 < s.tiers.host_usage < 1
+    assert sorted(eng.tiers.hashes()) == sorted(host.slots)
+    assert s.host_load_tokens_per_s == 0.0  # nothing loaded yet
+    (warm,) = eng.generate([p], GREEDY)
+    assert warm.num_cached_tokens == 40
+    s = eng.stats()
+    assert s.tiers.loaded_bytes[HOST] == 10 * size
+    rate = 10 * BLOCK / s.tiers.load_s[HOST]
+    assert s.host_load_tokens_per_s == pytest.approx(rate, rel=1e-9)
+    assert s.disk_load_tokens_per_s == 0.0
+
+
+def test_where_a_block_is(llama, tmp_path) -> None:
+    """`medium`: the pool's copy first, then the host tier's, then the disk's; None when no
+    tier holds the block. Cancelling a load that does not exist is a no-op."""
+    path, _ = llama
+    eng = engine(path, host_blocks=2, disk=tmp_path)
+    (p,) = prompts(41, start=29)
+    chain = hashes_of(eng, p)[:10]
+    eng.generate([p], GREEDY)
+    settle(eng)
+    assert all(eng.tiers.medium(h) == "device" for h in chain)
+    flood(eng)
+    settle(eng)
+    media = [eng.tiers.medium(h) for h in chain]
+    assert DISK in media and all(m in (HOST, DISK) for m in media)
+    assert all((m == HOST) == (h in eng.tiers.host) for h, m in zip(chain, media, strict=True))
+    assert eng.tiers.medium(b"\0" * 16) is None
+    below = set(eng.tiers.hashes())
+    assert set(chain) <= below and set(eng.tiers.host.slots) <= below
+    eng.tiers.cancel("no-such-sequence")
     eng.tiers.close()
