@@ -9,6 +9,7 @@ the blocks again (a warm restart).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -23,8 +24,11 @@ from prefixserve.router.events import DISK, HOST, BlockRemoved, BlockStored
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig, GenerateOutput
+from prefixserve.workers.kv_cache import KVCacheManager
+from prefixserve.workers.kv_tiers import offload
 from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name
 from prefixserve.workers.kv_tiers.host import HostTier
+from prefixserve.workers.kv_tiers.offload import TieredKV
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 BLOCK = 4
@@ -453,3 +457,75 @@ def test_where_a_block_is(llama, tmp_path) -> None:
     assert set(chain) <= below and set(eng.tiers.host.slots) <= below
     eng.tiers.cancel("no-such-sequence")
     eng.tiers.close()
+
+
+class TickingClock:
+    """`time` for the tiers' module: every `perf_counter()` reads one second later, so each
+    timed span is exactly the clock reads it takes."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_tier_times_add_up_over_offloads_and_loads(llama, monkeypatch) -> None:
+    """Offload and load seconds accumulate, one span per offload and per load."""
+    monkeypatch.setattr(offload, "time", TickingClock())
+    path, _ = llama
+    eng = engine(path, host_blocks=64)
+    offloads: list[int] = []
+    count = eng.tiers._count_offload
+    eng.tiers._count_offload = lambda m, n, s: (offloads.append(n), count(m, n, s))[1]
+    (p,) = prompts(41, start=31)
+    for _ in range(2):
+        eng.generate([p], GREEDY)
+        flood(eng, n=2, start=80 + len(offloads))
+    (warm,) = eng.generate([p], GREEDY)
+    flood(eng, n=2, start=90)
+    (again,) = eng.generate([p], GREEDY)
+    assert warm.num_cached_tokens == again.num_cached_tokens == 40
+    t = eng.stats().tiers
+    assert t.offload_s[HOST] == len(offloads) >= 3  # one tick a span: none overwritten
+    assert t.offloaded_bytes[HOST] == sum(offloads) * block_bytes(eng)
+    assert t.load_s[HOST] == 3.0 and t.loaded_bytes[HOST] == 30 * block_bytes(eng)  # 3 loads
+    assert eng.stats().host_load_tokens_per_s == 30 * BLOCK / 3.0
+
+
+def test_a_failed_disk_reader_is_a_counted_miss(llama, tmp_path) -> None:
+    """The reader itself failing (not one file) is a `read_error` miss of every block it was
+    to read, recomputed; a disk-only engine reports no host usage and counts what it wrote."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=33)
+    only_on_disk(eng, p)
+    s = eng.stats()
+    assert s.tiers.host_usage == 0.0
+    assert s.tiers.offloaded_bytes[DISK] == len(eng.tiers.disk.files) * block_bytes(eng)
+
+    def failing(hashes):
+        future = concurrent.futures.Future()
+        future.set_exception(OSError("the reader died"))
+        return future
+
+    eng.tiers.disk.read_many = failing
+    for _ in range(2):
+        before = eng.stats().tiers.load_failures.get("read_error", 0)
+        (res,) = eng.generate([p], GREEDY)
+        assert res.num_cached_tokens == 0 and res.samples[0].token_ids == hf_greedy(model, p, 6)
+        assert eng.stats().tiers.load_failures == {"read_error": before + 1}
+        # six prompts whose loads all fail at once: the blocks held for them fill the pool,
+        # and with nothing running they are let go (they were held forever)
+        flood(eng)
+        settle(eng)
+    assert eng.kv.num_free_blocks == POOL and not eng.tiers.jobs and not eng.kv.held
+    eng.tiers.close()
+
+
+def test_modelled_load_rates_are_reported_as_given() -> None:
+    """The simulator's tiers keep bookkeeping only and report the rates they were given."""
+    tiers = TieredKV(KVCacheManager(8, BLOCK), None, HostTier(3), None, 64,
+                     rates={HOST: 5.0, DISK: 0.5})
+    assert tiers.load_rates() == {"host_load_tokens_per_s": 5.0, "disk_load_tokens_per_s": 0.5}

@@ -186,6 +186,7 @@ class Scheduler:
             return out
         running = Counter(s.tenant for s in self.running)
         adapters = self.running_adapters()
+        dropped = False
         while self.waiting and budget > 0:
             seq = self._next_waiting(running, adapters)
             if seq is None:
@@ -206,7 +207,13 @@ class Scheduler:
             num_computed = len(hits) * kv.block_size
             n = min(seq.num_tokens - num_computed, budget)
             if not kv.allocate_slots(seq.seq_id, num_computed, n, seq.hashes, hits):
-                break
+                if self.running or not kv.held or dropped:
+                    break
+                # Nothing runs to give blocks back, so blocks held for waiting sequences'
+                # loads would be held forever: they go (their sequences search again).
+                self._drop_holds()
+                dropped = True
+                continue
             if seq is self.waiting[0]:
                 self.waiting.popleft()
             else:
