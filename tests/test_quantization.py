@@ -9,7 +9,13 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 from pydantic import ValidationError
-from test_engine import GREEDY, hf_greedy, prompts, write_checkpoint
+from test_engine import (
+    GREEDY,
+    assert_agrees_teacher_forced,
+    hf_greedy,
+    prompts,
+    write_checkpoint,
+)
 from test_kv_tiers import engine as tiered_engine
 from test_kv_tiers import settle
 from test_lora import GREEDY as LORA_GREEDY
@@ -170,11 +176,13 @@ def llama(tmp_path_factory):
 
 
 def quantized_reference(model: torch.nn.Module, name: str) -> torch.nn.Module:
-    """transformers' model with every linear weight replaced by its dequantized copy."""
+    """transformers' (or PEFT's) model with each linear weight the engine quantizes replaced by
+    its dequantized copy: those the method packs, not a LoRA adapter's own."""
     ref = copy.deepcopy(model)
     with torch.no_grad():
-        for m in ref.modules():
-            if isinstance(m, torch.nn.Linear):
+        for module_name, m in ref.named_modules():
+            if (isinstance(m, torch.nn.Linear) and "lora_" not in module_name
+                    and METHODS[name].packs(m)):
                 m.weight.copy_(METHODS[name].pack(m.weight)[2])
     return ref
 
@@ -216,18 +224,7 @@ def test_packed_path_agrees_with_transformers_on_the_dequantized_weights(llama, 
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
     results = eng.generate(batch, params) + eng.generate(batch, params)
     assert sum(r.num_cached_tokens for r in results[len(batch):]) > 0
-    agree, gaps = [], []
-    for p, r in zip(batch + batch, results, strict=True):
-        sample = r.samples[0]
-        with torch.no_grad():
-            logits = ref(torch.tensor([p + sample.token_ids])).logits[0, len(p) - 1: -1]
-        ref_lp = torch.log_softmax(logits.float(), dim=-1)
-        for k, (tok, lp) in enumerate(zip(sample.token_ids, sample.logprobs, strict=True)):
-            agree.append(int(ref_lp[k].argmax()) == tok)
-            assert float(ref_lp[k].max() - ref_lp[k, tok]) < 0.1
-            gaps.append(abs(float(ref_lp[k, tok]) - lp.logprob))
-    assert sum(agree) / len(agree) >= 0.9
-    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03
+    assert_agrees_teacher_forced(ref, batch + batch, results)
 
 
 def test_quantized_kv_is_kept_apart_on_disk(tmp_path) -> None:
@@ -262,15 +259,8 @@ def test_lora_adapters_run_over_quantized_layers(lora_models) -> None:  # noqa: 
     for m in layers:
         m.packed_rows = 0
     prompts_ = [lora_prompt(20 + 3 * i, seed=i) for i in range(len(MIX))]
-    expected = []
-    for name, p in zip(MIX, prompts_, strict=True):
-        ref = copy.deepcopy(refs[name])
-        with torch.no_grad():
-            for module_name, m in ref.named_modules():
-                if (isinstance(m, torch.nn.Linear) and "lora_" not in module_name
-                        and METHODS["int4"].packs(m)):
-                    m.weight.copy_(pack_int4(m.weight)[2])
-        expected.append(lora_greedy(ref, p))
+    expected = [lora_greedy(quantized_reference(refs[name], "int4"), p)
+                for name, p in zip(MIX, prompts_, strict=True)]
     outs = eng.generate(prompts_, LORA_GREEDY, lora=MIX)
     assert [o.samples[0].token_ids for o in outs] == expected
     assert expected[0] != expected[2]
