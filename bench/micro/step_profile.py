@@ -1,4 +1,4 @@
-"""Where an engine step's time goes, against the floor the weights set.
+"""Where an engine step's time goes, against the floor the bytes it reads set.
 
     python -m prefixserve.bench.micro.step_profile                       # fp32, 1 thread
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
@@ -6,7 +6,8 @@
 
 One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
 (greedy, EOS ignored); then ``--batch`` sizes decode together. Each step is timed as it runs
-(the tok/s figures). Then one decode and one prefill step of a single stream run with every
+(the tok/s figures). Then one decode and one prefill step of a single stream, and one decode
+step of the largest batch, run with every
 part of the step wrapped in a timer, each part's own time (its inner parts' taken out): the
 matmuls of the layers (q/k/v, o, gate/up, down), the LM head, attention (the backend), the rest
 of the attention layer (RoPE, views), the MLP's activation, the norms, the rest of the model
@@ -15,8 +16,10 @@ the rest of the engine's step. All but the matmuls, the LM head and attention is
 host overhead.
 
 The floor: a decode step reads every weight once (the embedding table only by row, unless the
-LM head shares it), so its time is at least those bytes over the machine's memory bandwidth,
-measured here as one thread summing a buffer larger than the caches.
+LM head shares it) and every running sequence's cached K/V once, so its time is at least those
+bytes over the machine's memory bandwidth, measured here as one thread summing a buffer larger
+than the caches. ``decode_floor_ms`` is the weights' part; each batch's ``floor_ms`` adds its
+K/V at the mean context of its timed steps.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.kv_tensor import kv_bytes_per_token
 from prefixserve.workers.models.quantization import QuantizedLinear
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
@@ -154,6 +158,21 @@ def decode_steps(engine: LLMEngine, batch: int, prompt: int, steps: int, vocab: 
     return prefill, statistics.median(times), times
 
 
+def profiled_steps(engine: LLMEngine, parts: Parts, batch: int, prompt: int, vocab: int,
+                   rng: random.Random) -> tuple[dict[str, float], dict[str, float]]:
+    """``batch`` prompts prefilled in one step, then one decode step, both timed by part."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"profiled-{batch}-{i}",
+                           [rng.randrange(100, vocab) for _ in range(prompt)], params)
+    prefill = profile_step(engine, parts)
+    engine.step()
+    decode = profile_step(engine, parts)
+    while engine.has_unfinished():
+        engine.step()
+    return prefill, decode
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
@@ -187,23 +206,25 @@ def main(argv: list[str] | None = None) -> None:
     decode_steps(engine, 1, 64, 4, vocab, rng)  # warm up
     for batch in batches:
         prefill, step, _ = decode_steps(engine, batch, args.prompt, args.decode, vocab, rng)
+        per_token = kv_bytes_per_token(engine.model_config, engine.dtype)
+        kv = batch * (args.prompt + args.decode / 2) * per_token
+        batch_floor_s = (weights + kv) / (bw * 1e9)
         row = {"batch": batch, "prefill_tok_s": round(batch * args.prompt / prefill, 1),
                "decode_step_ms": round(step * 1000, 2),
                "decode_tok_s": round(batch / step, 1),
-               "step_over_floor": round(step / floor_s, 2)}
+               "floor_ms": round(batch_floor_s * 1000, 2),
+               "step_over_floor": round(step / batch_floor_s, 2)}
         out["batches"].append(row)
         print(json.dumps(row), flush=True)
-    # one timed decode step and one timed prefill step of a single stream, by part
+    # one timed prefill and decode step of a single stream, and a decode step of the largest
+    # batch, by part
     parts = instrument(engine)
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    engine.add_request("profiled", [rng.randrange(100, vocab) for _ in range(args.prompt)],
-                       params)
-    prefill = profile_step(engine, parts)
-    engine.step()
-    decode = profile_step(engine, parts)
-    while engine.has_unfinished():
-        engine.step()
-    for name, by_part in (("decode", decode), ("prefill", prefill)):
+    prefill, decode = profiled_steps(engine, parts, 1, args.prompt, vocab, rng)
+    profiled = {"decode": decode, "prefill": prefill}
+    if max(batches) > 1:
+        profiled[f"decode_batch_{max(batches)}"] = profiled_steps(
+            engine, parts, max(batches), args.prompt, vocab, rng)[1]
+    for name, by_part in profiled.items():
         by_part = {k: round(v, 3) for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])}
         out[f"{name}_parts_ms"] = by_part
         print(json.dumps({f"{name}_parts_ms": by_part}), flush=True)
