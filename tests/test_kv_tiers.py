@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig, GenerateOutput
 from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tiers import offload
-from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name
+from prefixserve.workers.kv_tiers.block_io import BlockIO
+from prefixserve.workers.kv_tiers.disk import DiskTier
+from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name, layout_key
 from prefixserve.workers.kv_tiers.host import HostTier
 from prefixserve.workers.kv_tiers.offload import TieredKV
 
@@ -249,15 +252,23 @@ def test_a_bad_file_is_a_counted_miss_never_wrong_kv(llama, tmp_path, how, reaso
     only_on_disk(eng, p)
     chain = hashes_of(eng, p)
     corrupt(eng.tiers.disk.folder, chain[4], how)
+    events = []
+    eng.on_kv_events = events.extend
     (warm,) = eng.generate([p], GREEDY)
     assert warm.samples[0].token_ids == hf_greedy(model, p, 6)
     assert warm.num_cached_tokens == 4 * BLOCK  # the blocks before the bad one
     s = eng.stats()
     assert s.tiers.load_failures == {reason: 1}
+    assert s.tiers.loaded_bytes == {DISK: 4 * block_bytes(eng)}
+    assert BlockRemoved((chain[4],)) in events  # held nowhere until recomputed
     # the recomputed block was committed again, and written again: whole now
     settle(eng)
     assert eng.tiers.disk.readable(chain[4])
     assert eng.kv.num_free_blocks == POOL
+    flood(eng, start=70)
+    settle(eng)
+    (again,) = eng.generate([p], GREEDY)
+    assert again.num_cached_tokens == 40 and eng.stats().tiers.load_failures == {reason: 1}
     eng.tiers.close()
 
 
@@ -529,3 +540,185 @@ def test_modelled_load_rates_are_reported_as_given() -> None:
     tiers = TieredKV(KVCacheManager(8, BLOCK), None, HostTier(3), None, 64,
                      rates={HOST: 5.0, DISK: 0.5})
     assert tiers.load_rates() == {"host_load_tokens_per_s": 5.0, "disk_load_tokens_per_s": 0.5}
+
+
+# --------------------------------------------------------------- the tiers' paths one by one
+A, B, C, D = (c * 16 for c in (b"a", b"b", b"c", b"d"))  # block hashes are 16 bytes
+
+
+def small_tiers(folder: Path, *, disk_files: int, host_slots: int = 0,
+                num_blocks: int = 4) -> TieredKV:
+    """Tiers over a 4-block pool of random KV, a disk tier holding `disk_files` blocks."""
+    io = BlockIO(torch.randn(1, 2, num_blocks, BLOCK, 1, 2))
+    key, layout = layout_key("small", BLOCK, "float32", io.block_shape)
+    disk = DiskTier(folder, key, layout, io.block_shape, io.dtype,
+                    disk_files * (HEADER.size + io.block_bytes), min_free_bytes=0)
+    host = HostTier(host_slots, io.block_shape, io.dtype) if host_slots else None
+    return TieredKV(KVCacheManager(num_blocks, BLOCK), io, host, disk, io.block_bytes)
+
+
+def computed(tiers: TieredKV, hashes: list[bytes]) -> list:
+    """Blocks hashed and committed (their KV written) by a step; still referenced."""
+    blocks = tiers.pool.allocate(len(hashes))
+    tiers.pool.cache(blocks, hashes)
+    tiers.pool.commit()
+    return blocks
+
+
+def landed(tiers: TieredKV) -> None:
+    tiers.disk.flush()
+    tiers._reap_disk()
+
+
+def test_an_evicted_block_already_on_disk_is_touched_there(tmp_path) -> None:
+    """A block the pool evicts that the disk tier holds is used now on disk: the disk's next
+    eviction takes the one written after it."""
+    tiers = small_tiers(tmp_path, disk_files=3)
+    a, b, _ = computed(tiers, [A, B, C])
+    landed(tiers)
+    assert list(tiers.disk.files) == [A, B, C]
+    tiers.pool.release([a])
+    tiers.pool.allocate(2)  # the empty block, then a: evicted
+    assert list(tiers.disk.files) == [B, C, A]
+    tiers.pool.release([b])
+    computed(tiers, [D])  # evicts b from the pool (touched on disk), then d is written
+    landed(tiers)
+    assert list(tiers.disk.files) == [A, B, D]  # c, the least recently used, went
+    tiers.close()
+
+
+def test_a_block_the_disk_drops_that_the_host_holds_is_not_reported_again(tmp_path) -> None:
+    tiers = small_tiers(tmp_path, disk_files=1, host_slots=2)
+    (a,) = computed(tiers, [A])
+    landed(tiers)
+    tiers.pool.release([a])
+    tiers.pool.allocate(4)  # a is evicted to the host tier
+    assert tiers.medium(A) == HOST and tiers.pool.events[-1] == BlockStored((A,), HOST)
+    tiers.pool.events.clear()
+    tiers.pool.release(tiers.pool.blocks)
+    computed(tiers, [B])  # the disk makes room for b: a's file goes, its host copy stays
+    landed(tiers)
+    assert list(tiers.disk.files) == [B] and tiers.medium(A) == HOST
+    assert tiers.pool.events == [BlockStored((B,), "device")]
+    tiers.close()
+
+
+def on_disk(tiers: TieredKV, block_hash: bytes) -> torch.Tensor:
+    (data,) = tiers.disk.read_many([block_hash]).result()
+    return data
+
+
+def test_blocks_the_disk_missed_are_written_when_they_leave_the_pool_or_the_host(
+        tmp_path) -> None:
+    """Write-behind skipped them (the disk was full); once there is room, a block the pool
+    evicts with no host tier, and a host tier's victim, are written then, their own KV."""
+    alone = small_tiers(tmp_path / "alone", disk_files=4)
+    alone.disk.min_free_bytes = 1 << 62
+    (a,) = computed(alone, [A])
+    assert alone.counters.store_skips == {"disk_full": 1}
+    alone.disk.min_free_bytes = 0
+    alone.pool.release([a])
+    alone.pool.allocate(4)  # a is evicted last
+    landed(alone)
+    assert list(alone.disk.files) == [A]
+    assert on_disk(alone, A).equal(alone.io.kv_cache[:, :, a.block_id])
+    alone.close()
+
+    both = small_tiers(tmp_path / "both", disk_files=4, host_slots=1)
+    both.disk.min_free_bytes = 1 << 62
+    a, b = computed(both, [A, B])
+    both.disk.min_free_bytes = 0
+    both.pool.release([b, a])
+    both.pool.allocate(4)  # b, then a evicted: b to the host, then spilled for a
+    landed(both)
+    assert list(both.host.slots) == [A] and list(both.disk.files) == [B]
+    assert on_disk(both, B).equal(both.io.kv_cache[:, :, b.block_id])
+    assert both.counters.store_skips == {"disk_full": 2}
+    both.close()
+
+
+def test_failed_disk_writes_are_counted_and_reported_removed_where_nothing_holds_them(
+        tmp_path) -> None:
+    tiers = small_tiers(tmp_path, disk_files=4)
+    shutil.rmtree(tiers.disk.folder)
+    tiers.disk.folder.write_bytes(b"")  # a file in its place: every write fails on the writer
+    gate = threading.Event()
+    tiers.disk._writer.submit(gate.wait, 30)  # the writes wait until both blocks are queued
+    a, _ = computed(tiers, [A, B])
+    tiers.pool.release([a])
+    tiers.pool.allocate(3)  # the empty blocks, then a: evicted, its write still queued
+    tiers.pool.events.clear()
+    gate.set()
+    landed(tiers)
+    assert tiers.counters.store_skips == {"write_error": 2}
+    # a is held nowhere now; b is still in the pool
+    assert tiers.pool.events == [BlockRemoved((A,))]
+    assert tiers.medium(B) == "device" and not tiers.disk.files and not tiers.disk.pending
+    tiers.close()
+
+
+def test_a_vanished_disk_folder_skips_the_write_and_serving_goes_on(llama, tmp_path) -> None:
+    path, model = llama
+    eng = engine(path, disk=tmp_path)
+    shutil.rmtree(eng.tiers.disk.folder)
+    (p,) = prompts(41, start=19)
+    (res,) = eng.generate([p], GREEDY)
+    assert res.samples[0].token_ids == hf_greedy(model, p, 6)
+    assert eng.stats().tiers.store_skips == {"write_error": 11}  # 47 tokens: 11 full blocks
+    eng.tiers.close()
+
+
+def test_a_prefix_half_in_the_pool_half_in_the_host_tier_comes_back_exact(llama) -> None:
+    """The pool evicts a chain's tail first: the head is a pool hit, the tail loads from the
+    host tier, and the walk stops at the first block held nowhere (no disk tier to ask)."""
+    path, model = llama
+    eng = engine(path, host_blocks=64)
+    (p,) = prompts(41, start=23)
+    eng.generate([p], GREEDY)
+    eng.generate(prompts(41, 17, start=24), GREEDY)  # evicts p's last few blocks
+    where = [eng.tiers.medium(h) for h in hashes_of(eng, p)[:10]]
+    assert where == ["device"] * 6 + [HOST] * 4
+    longer = p + prompts(9, start=25)[0]  # two full blocks beyond what any tier holds
+    before = eng.stats()
+    (warm,) = eng.generate([longer], GREEDY)
+    assert warm.samples[0].token_ids == hf_greedy(model, longer, 6)
+    assert warm.num_cached_tokens == 40
+    s = eng.stats()
+    assert s.prompt_tokens_hit - before.prompt_tokens_hit == where.count("device") * BLOCK
+    assert s.tiers.loaded_bytes[HOST] == where.count(HOST) * block_bytes(eng)
+    assert eng.kv.num_free_blocks == POOL and not eng.kv.held
+
+
+def test_loads_begun_before_a_reset_are_dropped_and_later_ones_kept(llama, tmp_path) -> None:
+    """Three sequences wait on disk reads: one asked before each of two resets and one after
+    both. When the reads land together, only the last one's blocks are loaded; the others
+    recompute (the KV they read was cleared)."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path, num_blocks=64)  # room for all three to wait
+    gate = threading.Event()
+    read = eng.tiers.disk._read_many
+    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    batch = prompts(41, 41, 41, start=27)
+    for i, p in enumerate(batch):
+        eng.generate([p], GREEDY)
+        for k in range(5):  # one at a time: the waiting ones keep their blocks
+            eng.generate(prompts(41, start=60 + 10 * i + k), GREEDY)
+        settle(eng)
+        eng.add_request(f"r{i}", p, GREEDY)
+        eng.step()
+        if i < 2:
+            eng.reset_prefix_cache()
+    assert list(eng.scheduler.loading) == ["r0#0", "r1#0", "r2#0"]
+    gate.set()
+    concurrent.futures.wait([j.future for j in eng.tiers.jobs.values()])
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    cached = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            tokens[o.request_id].extend(o.new_token_ids)
+            cached[o.request_id] = o.num_cached_tokens
+    assert cached == {"r0": 0, "r1": 0, "r2": 40}
+    assert not eng.stats().tiers.load_failures  # dropped unread, not failed (files deleted)
+    assert [tokens[f"r{i}"] for i in range(3)] == [hf_greedy(model, p, 6) for p in batch]
+    assert not eng.tiers.jobs and not eng.kv.held and eng.kv.num_free_blocks == 64
+    eng.tiers.close()

@@ -165,7 +165,11 @@ class DiskTier:
             return "disk_busy"
         if not self._make_room(self.file_bytes):
             return "disk_busy"  # pending writes fill the cap
-        if shutil.disk_usage(self.folder).free - self.file_bytes < self.min_free_bytes:
+        try:
+            free = shutil.disk_usage(self.folder).free
+        except OSError:  # the folder is gone: serving goes on without the tier
+            return "write_error"
+        if free - self.file_bytes < self.min_free_bytes:
             return "disk_full"
         self.pending.add(block_hash)
         self.used_bytes += self.file_bytes
