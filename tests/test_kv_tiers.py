@@ -25,6 +25,7 @@ from prefixserve.router.events import DISK, HOST, BlockRemoved, BlockStored
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig, GenerateOutput
+from prefixserve.workers.errors import StepFailedError
 from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tiers import offload
 from prefixserve.workers.kv_tiers.block_io import BlockIO
@@ -411,10 +412,14 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     assert held_while_q_ran and "p" not in reasons  # p was loading all along
     assert outs["q"] == hf_greedy(model, q, 30) and reasons["q"] == "length"
     gate.set()
+    cached = 0
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id].extend(o.new_token_ids)
+            cached = o.num_cached_tokens if o.request_id == "p" else cached
     assert outs["p"] == hf_greedy(model, p, 6)
+    # it searched the tiers again at its turn, while q still held all but one free block
+    assert cached == BLOCK
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
     eng.tiers.close()
 
@@ -686,6 +691,9 @@ def test_a_prefix_half_in_the_pool_half_in_the_host_tier_comes_back_exact(llama)
     s = eng.stats()
     assert s.prompt_tokens_hit - before.prompt_tokens_hit == where.count("device") * BLOCK
     assert s.tiers.loaded_bytes[HOST] == where.count(HOST) * block_bytes(eng)
+    # the tiers are asked for what the pool lacks, and had 4 of its blocks
+    assert s.external_tokens_queried - before.external_tokens_queried == len(longer) - 6 * BLOCK
+    assert s.external_tokens_hit - before.external_tokens_hit == 4 * BLOCK
     assert eng.kv.num_free_blocks == POOL and not eng.kv.held
 
 
@@ -721,4 +729,29 @@ def test_loads_begun_before_a_reset_are_dropped_and_later_ones_kept(llama, tmp_p
     assert not eng.stats().tiers.load_failures  # dropped unread, not failed (files deleted)
     assert [tokens[f"r{i}"] for i in range(3)] == [hf_greedy(model, p, 6) for p in batch]
     assert not eng.tiers.jobs and not eng.kv.held and eng.kv.num_free_blocks == 64
+    eng.tiers.close()
+
+
+def test_a_failed_step_drops_a_loading_request_and_its_blocks(llama, tmp_path) -> None:
+    path, model = llama
+    eng = engine(path, disk=tmp_path)
+    (p,) = prompts(41, start=28)
+    only_on_disk(eng, p)
+    gate = threading.Event()
+    read = eng.tiers.disk._read_many
+    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    eng.add_request("r", p, GREEDY)
+    eng.step()
+    assert "r#0" in eng.scheduler.loading and eng.kv.held
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: 1 / 0  # scheduling itself fails: every request goes
+    with pytest.raises(StepFailedError) as failed:
+        eng.step()
+    assert failed.value.request_ids == ("r",)
+    eng.scheduler.schedule = schedule
+    gate.set()
+    assert not eng.scheduler.loading and not eng.tiers.jobs and not eng.kv.held
+    assert eng.kv.num_free_blocks == POOL and not eng.has_unfinished()
+    (again,) = eng.generate([p], GREEDY)  # the engine goes on, the blocks still on disk
+    assert again.num_cached_tokens == 40 and again.samples[0].token_ids == hf_greedy(model, p, 6)
     eng.tiers.close()
