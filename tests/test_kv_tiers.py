@@ -67,11 +67,24 @@ def flood(eng: LLMEngine, n: int = 6, start: int = 50) -> None:
     eng.generate(prompts(*[40] * n, start=start), GREEDY)
 
 
+def landed(tiers: TieredKV) -> None:
+    """Let the disk writer finish and the tiers take in its results."""
+    tiers.disk.flush()
+    tiers.poll()
+
+
 def settle(eng: LLMEngine) -> None:
-    """Let the disk writer finish and the engine take in its results."""
+    """The same for an engine's tiers, if it has a disk tier."""
     if eng.tiers is not None and eng.tiers.disk is not None:
-        eng.tiers.disk.flush()
-        eng.tiers.poll()
+        landed(eng.tiers)
+
+
+def gate_reads(eng: LLMEngine) -> threading.Event:
+    """Make the disk tier's reads wait until the returned event is set."""
+    gate = threading.Event()
+    read = eng.tiers.disk._read_many
+    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    return gate
 
 
 def only_on_disk(eng: LLMEngine, prompt: list[int], n: int = 6) -> GenerateOutput:
@@ -394,9 +407,7 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     eng = engine(path, disk=tmp_path, num_blocks=14)
     p, q = prompts(40, 20, start=30)
     only_on_disk(eng, p, n=2)
-    gate = threading.Event()
-    read = eng.tiers.disk._read_many
-    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    gate = gate_reads(eng)
     long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # 50 tokens: 13 blocks
     eng.add_request("q", q, long)
     outs: dict[str, list[int]] = {"p": [], "q": eng.step()[0].new_token_ids}
@@ -570,11 +581,6 @@ def computed(tiers: TieredKV, hashes: list[bytes]) -> list:
     return blocks
 
 
-def landed(tiers: TieredKV) -> None:
-    tiers.disk.flush()
-    tiers._reap_disk()
-
-
 def test_an_evicted_block_already_on_disk_is_touched_there(tmp_path) -> None:
     """A block the pool evicts that the disk tier holds is used now on disk: the disk's next
     eviction takes the one written after it."""
@@ -703,9 +709,7 @@ def test_loads_begun_before_a_reset_are_dropped_and_later_ones_kept(llama, tmp_p
     recompute (the KV they read was cleared)."""
     path, model = llama
     eng = engine(path, disk=tmp_path, num_blocks=64)  # room for all three to wait
-    gate = threading.Event()
-    read = eng.tiers.disk._read_many
-    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    gate = gate_reads(eng)
     batch = prompts(41, 41, 41, start=27)
     for i, p in enumerate(batch):
         eng.generate([p], GREEDY)
@@ -737,9 +741,7 @@ def test_a_failed_step_drops_a_loading_request_and_its_blocks(llama, tmp_path) -
     eng = engine(path, disk=tmp_path)
     (p,) = prompts(41, start=28)
     only_on_disk(eng, p)
-    gate = threading.Event()
-    read = eng.tiers.disk._read_many
-    eng.tiers.disk._read_many = lambda hashes: (gate.wait(30), read(hashes))[1]
+    gate = gate_reads(eng)
     eng.add_request("r", p, GREEDY)
     eng.step()
     assert "r#0" in eng.scheduler.loading and eng.kv.held

@@ -204,10 +204,10 @@ def main(argv: list[str] | None = None) -> None:
                  "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}
     print(json.dumps({k: v for k, v in out.items() if k != "batches"}), flush=True)
     decode_steps(engine, 1, 64, 4, vocab, rng)  # warm up
+    kv_per_token = kv_bytes_per_token(engine.model_config, engine.dtype)
     for batch in batches:
         prefill, step, _ = decode_steps(engine, batch, args.prompt, args.decode, vocab, rng)
-        per_token = kv_bytes_per_token(engine.model_config, engine.dtype)
-        kv = batch * (args.prompt + args.decode / 2) * per_token
+        kv = batch * (args.prompt + args.decode / 2) * kv_per_token
         batch_floor_s = (weights + kv) / (bw * 1e9)
         row = {"batch": batch, "prefill_tok_s": round(batch * args.prompt / prefill, 1),
                "decode_step_ms": round(step * 1000, 2),
