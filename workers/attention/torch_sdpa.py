@@ -20,7 +20,7 @@ from prefixserve.workers.attention.metadata import AttentionMetadata
 
 
 @dataclass
-class _Prefill:
+class Prefill:
     start: int  # first flat row
     end: int
     context_len: int
@@ -45,7 +45,7 @@ _SPLIT_MIN_CONTEXT = 256
 @dataclass
 class SDPAPlan:
     decode: list[_DecodeGroup]
-    prefills: list[_Prefill]
+    prefills: list[Prefill]
 
     @classmethod
     def make(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> SDPAPlan:
@@ -78,19 +78,25 @@ class SDPAPlan:
                     mask=_additive(keys[None, :] < ctx[:, None], dtype).view(len(g), 1, 1, -1),
                 )
             )
-        prefills = []
-        for i, q in enumerate(q_lens):
-            if q <= 1:
-                continue
-            ctx = ctx_lens[i]
+        return cls(decode=decode, prefills=prefill_plans(meta, block_size, dtype))
+
+
+def prefill_plans(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[Prefill]:
+    """Each prefill chunk's rows, and its cached blocks and causal mask where it has a prefix."""
+    q_lens, ctx_lens = meta.host_lens()
+    device = meta.slot_mapping.device
+    prefills, start = [], 0
+    for i, (q, ctx) in enumerate(zip(q_lens, ctx_lens, strict=True)):
+        if q > 1:
             blocks = mask = None
             if ctx > q:
                 blocks = meta.block_tables[i, : -(-ctx // block_size)]
                 keys = torch.arange(ctx, device=device)
                 limit = torch.arange(ctx - q, ctx, device=device)
                 mask = _additive(keys[None, :] <= limit[:, None], dtype)
-            prefills.append(_Prefill(starts[i], starts[i] + q, ctx, blocks, mask))
-        return cls(decode=decode, prefills=prefills)
+            prefills.append(Prefill(start, start + q, ctx, blocks, mask))
+        start += q
+    return prefills
 
 
 def sdpa_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> SDPAPlan:
@@ -113,31 +119,48 @@ class TorchSDPABackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        block_size, kvh, dim = k_cache.shape[1:]
-        t, heads, _ = q.shape
-        k_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, v)
-        plan = sdpa_plan(meta, block_size, q.dtype)
+        t, heads, dim = q.shape
+        store_kv(k, v, k_cache, v_cache, meta)
+        plan = sdpa_plan(meta, k_cache.shape[1], q.dtype)
         if plan.decode and plan.decode[0].rows is None:
             return _decode(q, k_cache, v_cache, plan.decode[0], scale)
         out = q.new_empty(t, heads * dim)
         for g in plan.decode:
             qd = q.index_select(0, g.rows)
             out.index_copy_(0, g.rows, _decode(qd, k_cache, v_cache, g, scale))
-        for p in plan.prefills:
-            qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
-            if p.blocks is None:
-                kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
-                vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
-            else:
-                kp = _gather(k_cache, p.blocks, p.context_len)
-                vp = _gather(v_cache, p.blocks, p.context_len)
-            o = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
-                enable_gqa=True,
-            )
-            out[p.start : p.end] = o[0].transpose(0, 1).reshape(p.end - p.start, heads * dim)
+        prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
         return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> None:
+    """Write the step's new K/V rows into their slots."""
+    kvh, dim = k_cache.shape[2:]
+    k_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, v)
+
+
+def prefill_into(
+    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, prefills: list[Prefill], scale: float,
+) -> None:
+    """Each prefill chunk's attention, one SDPA call per sequence, into its rows of `out`."""
+    heads, dim = q.shape[1:]
+    for p in prefills:
+        qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+        if p.blocks is None:
+            kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
+            vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
+        else:
+            kp = _gather(k_cache, p.blocks, p.context_len)
+            vp = _gather(v_cache, p.blocks, p.context_len)
+        o = F.scaled_dot_product_attention(
+            qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
+            enable_gqa=True,
+        )
+        out[p.start : p.end] = o[0].transpose(0, 1).reshape(p.end - p.start, heads * dim)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""The CPU paged-decode kernel against a float64 referee, through the backend as the model calls
+it: any head size and grouping, block tables in any order, contexts ending anywhere in a block,
+decode rows mixed with prefill chunks, and bad tables refused rather than read."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import pytest
+import torch
+
+from prefixserve.workers.attention import cpu_kernel, registry
+from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
+from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
+
+KERNEL = paged_decode_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain to build the kernel")
+
+BS = 16
+
+
+def referee(q, k_cache, v_cache, table, ctx, scale):
+    """One decode row's attention in float64 from its blocks: q [H, D] -> [H, D]."""
+    heads, dim = q.shape
+    kvh = k_cache.shape[2]
+    k = k_cache[table].reshape(-1, kvh, dim)[:ctx].double()
+    v = v_cache[table].reshape(-1, kvh, dim)[:ctx].double()
+    k = k.repeat_interleave(heads // kvh, dim=1)  # [ctx, H, D]
+    v = v.repeat_interleave(heads // kvh, dim=1)
+    w = torch.softmax(torch.einsum("hd,chd->hc", q.double(), k) * scale, dim=-1)
+    return torch.einsum("hc,chd->hd", w, v)
+
+
+def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
+    """A decode step over shuffled blocks: the backend's inputs, with the new K/V already in the
+    step's rows (the backend stores them before attending)."""
+    g = torch.Generator().manual_seed(seed)
+    per = [-(-c // BS) for c in ctx_lens]
+    num_blocks = sum(per) + 3
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, at = [], 0
+    for n in per:
+        tables.append(order[at : at + n])
+        at += n
+    k_cache = torch.randn(num_blocks, BS, kvh, dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BS, kvh, dim, generator=g).to(dtype)
+    meta = AttentionMetadata.build([1] * len(ctx_lens), ctx_lens, tables, BS)
+    q = torch.randn(len(ctx_lens), heads, dim, generator=g).to(dtype)
+    k = torch.randn(len(ctx_lens), kvh, dim, generator=g).to(dtype)
+    v = torch.randn(len(ctx_lens), kvh, dim, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, meta, tables
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 24), (12, 3, 16),
+                                           (4, 1, 128), (2, 2, 72)])
+def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim) -> None:
+    ctx_lens = [1, BS - 1, BS, BS + 1, 3 * BS + 5, 100]
+    q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
+    scale = 1 / math.sqrt(dim)
+    out = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache, v_cache, meta, scale)
+    assert out.shape == (len(ctx_lens), heads * dim) and out.dtype == dtype
+    for i, ctx in enumerate(ctx_lens):
+        want = referee(q[i], k_cache, v_cache, tables[i], ctx, scale)
+        torch.testing.assert_close(out[i].view(heads, dim).double(), want, atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_the_new_token_is_stored_and_attended() -> None:
+    """The step's own K/V land in the cache before the kernel reads them: with every cached key
+    far from q except its own, the output is that row's V."""
+    heads, kvh, dim = 4, 2, 32
+    q, k, v, k_cache, v_cache, meta, _ = decode_step([BS + 3], heads, kvh, dim, torch.float32)
+    k_cache.zero_()
+    k.copy_(q.view(1, kvh, 2, dim)[:, :, 0] * 50)
+    q.view(1, kvh, 2, dim)[:, :, 1] = q.view(1, kvh, 2, dim)[:, :, 0]
+    out = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache, v_cache, meta, 1.0)
+    torch.testing.assert_close(out.view(heads, dim), v[0].repeat_interleave(2, dim=0))
+
+
+@needs_kernel
+def test_a_mixed_step_decodes_with_the_kernel_and_prefills_as_sdpa_does() -> None:
+    """Rows of a step with prefill chunks (one with a cached prefix) between decode rows: the
+    prefill rows equal the torch backend's exactly, the decode rows within float rounding."""
+    heads, kvh, dim = 8, 2, 32
+    q_lens, ctx_lens = [1, 7, 1, 20, 1], [40, 7, 17, 52, 3]
+    tables = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(12, BS, kvh, dim, generator=g)
+    v_cache = torch.randn(12, BS, kvh, dim, generator=g)
+    t = sum(q_lens)
+    q = torch.randn(t, heads, dim, generator=g)
+    k, v = torch.randn(t, kvh, dim, generator=g), torch.randn(t, kvh, dim, generator=g)
+
+    def run(backend):
+        meta = AttentionMetadata.build(q_lens, ctx_lens, tables, BS)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        return backend.forward(q, k, v, kc, vc, meta, 0.2), kc
+
+    got, got_cache = run(CPUPagedBackend(KERNEL))
+    want, want_cache = run(TorchSDPABackend())
+    assert torch.equal(got_cache, want_cache)
+    decode_rows = [0, 8, 29]
+    prefill_rows = [r for r in range(t) if r not in decode_rows]
+    assert torch.equal(got[prefill_rows], want[prefill_rows])
+    torch.testing.assert_close(got[decode_rows], want[decode_rows], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_head_too_large_for_the_kernel_is_served_by_sdpa() -> None:
+    dim = KERNEL.max_head_dim + 16
+    q, k, v, k_cache, v_cache, meta, _ = decode_step([5, 30], 2, 1, dim, torch.float32)
+    got = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.1)
+    want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.1)
+    assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_bad_tables_are_refused_not_read() -> None:
+    q, _, _, k_cache, v_cache, meta, _ = decode_step([20, 5], 4, 2, 32, torch.float32)
+    tables, lens = meta.block_tables, meta.context_lens
+
+    def call(**kw):
+        args = dict(q=q, k=k_cache, v=v_cache, t=tables, c=lens) | kw
+        return KERNEL.paged_decode(args["q"], args["k"], args["v"], args["t"], args["c"], 1.0)
+
+    call()
+    with pytest.raises(RuntimeError, match="context length 33 outside the block table"):
+        call(c=torch.tensor([33, 5]))
+    with pytest.raises(RuntimeError, match="context length 0"):
+        call(c=torch.tensor([20, 0]))
+    bad = tables.clone()
+    bad[0, 1] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match=f"block id {k_cache.shape[0]} outside the cache"):
+        call(t=bad)
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        call(q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        call(k=k_cache.double())
+    with pytest.raises(RuntimeError, match="contiguous int64"):
+        call(c=lens.int())
+
+
+def test_a_kernel_that_cannot_build_leaves_sdpa_with_one_log_line(monkeypatch, tmp_path,
+                                                                   caplog) -> None:
+    """A failed build (here a flag no compiler knows) is a warning and no kernel; a lock left
+    by a build killed long ago is cleared first, so it cannot hang every later process."""
+    monkeypatch.setenv("PREFIXSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", ["-fno-such-flag-anywhere"])
+    folder = tmp_path / "kernels" / cpu_kernel.build_name(cpu_kernel.source_file().read_bytes())
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()
+    old = time.time() - cpu_kernel.STALE_LOCK_S - 60
+    os.utime(folder / "lock", (old, old))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernel.paged_decode_kernel.__wrapped__() is None
+    assert "CPU paged-decode kernel unavailable, attention uses torch SDPA" in caplog.text
+    assert not (folder / "lock").exists()
+
+
+def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch) -> None:
+    monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(registry, "paged_decode_kernel", lambda: None)
+    assert type(registry.backend_for("cpu")) is TorchSDPABackend
+    monkeypatch.setenv(registry.BACKEND_ENV, "cpu_paged")
+    with pytest.raises(RuntimeError, match="cpu_paged, but the CPU kernel could not be built"):
+        registry.backend_for("cpu")

@@ -1,0 +1,101 @@
+"""The CPU paged-decode kernel (`csrc/paged_decode.cpp`), compiled once per machine.
+
+torch's extension builder compiles it with the host's C++ compiler for the CPU it runs on
+(`-march=native`: AVX-512 or AVX2 vectors) into `<PREFIXSERVE_CACHE>/kernels/<name>`, where
+the name is a digest of the source, the flags, torch's version and the CPU's instruction set:
+a changed source or another CPU gets its own build, never a stale or foreign one. A later
+process imports the built library directly, in well under a second; processes building at once
+wait on torch's lock. `make setup` builds it ahead (`python -m
+prefixserve.workers.attention.cpu_kernel`). Where it cannot be built (no compiler), CPU
+attention stays torch SDPA, with one log line saying why.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import time
+from importlib import resources
+from pathlib import Path
+from types import ModuleType
+
+from prefixserve.workers.cache import default_cache_dir
+
+log = logging.getLogger(__name__)
+
+# -ffast-math lets the compiler vectorise the softmax's exp (glibc's vector math) and reassociate
+# the dot products' sums; every value the kernel sees is finite.
+CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+# A build's lock older than this was left by a process killed mid-build (torch's lock has no
+# timeout of its own, so every later process would wait on it forever).
+STALE_LOCK_S = 600.0
+
+
+def _cpu_flags() -> str:
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("flags"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.machine() + platform.processor()
+
+
+def source_file() -> Path:
+    return Path(str(resources.files("prefixserve.workers.attention") / "csrc"
+                    / "paged_decode.cpp"))
+
+
+def build_name(source: bytes) -> str:
+    """The build's name: it changes with the source, the flags, torch and the CPU."""
+    import torch
+
+    key = b"\0".join([source, " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                      _cpu_flags().encode()])
+    return f"prefixserve_paged_decode_{hashlib.sha256(key).hexdigest()[:16]}"
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str, source: Path, folder: Path) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
+    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=CFLAGS,
+                              build_directory=str(folder), verbose=False)
+
+
+@functools.cache
+def paged_decode_kernel() -> ModuleType | None:
+    """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`), or
+    None where it cannot be built here."""
+    started = time.perf_counter()
+    try:
+        source = source_file()
+        name = build_name(source.read_bytes())
+        folder = default_cache_dir() / "kernels" / name
+        library = folder / f"{name}.so"
+        built = library.exists() and not (folder / "lock").exists()
+        module = _import(name, library) if built else _build(name, source, folder)
+    except Exception as exc:  # a build tool's failure of any kind: serve with SDPA instead
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        log.warning("CPU paged-decode kernel unavailable, attention uses torch SDPA: %s", first)
+        return None
+    log.info("CPU paged-decode kernel ready (%d-float vectors) in %.1f s",
+             module.vector_width, time.perf_counter() - started)
+    return module
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    raise SystemExit(0 if paged_decode_kernel() is not None else 1)

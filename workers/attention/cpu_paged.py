@@ -1,0 +1,82 @@
+"""The CPU backend: decode rows through the paged kernel, prefill chunks through torch SDPA.
+
+The kernel (`cpu_kernel`) reads each decode sequence's K/V from its blocks in place, once, for
+all its heads; torch SDPA over the same rows has to gather the blocks into a padded copy first
+and runs many small products below the memory's rate. Prefill chunks carry many query rows, where
+SDPA's kernel is already efficient, so they keep the torch backend's path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from prefixserve.workers.attention.base import AttentionBackend
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.torch_sdpa import (
+    Prefill,
+    TorchSDPABackend,
+    prefill_into,
+    prefill_plans,
+    store_kv,
+)
+
+
+@dataclass
+class PagedPlan:
+    rows: torch.Tensor | None  # flat rows of the decode sequences; None: every row, in order
+    tables: torch.Tensor  # [n, width] their block tables
+    lens: torch.Tensor  # [n] their context lengths
+    prefills: list[Prefill]
+
+    @classmethod
+    def make(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> PagedPlan:
+        q_lens, _ = meta.host_lens()
+        decode = [i for i, q in enumerate(q_lens) if q == 1]
+        if len(decode) == len(q_lens):
+            return cls(None, meta.block_tables, meta.context_lens, [])
+        idx = torch.tensor(decode, dtype=torch.long, device=meta.slot_mapping.device)
+        rows = meta.query_start_loc.index_select(0, idx)
+        return cls(rows, meta.block_tables.index_select(0, idx).contiguous(),
+                   meta.context_lens.index_select(0, idx),
+                   prefill_plans(meta, block_size, dtype))
+
+
+class CPUPagedBackend(AttentionBackend):
+    """Paged decode in one kernel call per layer; SDPA for the shapes the kernel does not take."""
+
+    def __init__(self, kernel: ModuleType) -> None:
+        self.kernel = kernel
+        self.fallback = TorchSDPABackend()
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        t, heads, dim = q.shape
+        if dim > self.kernel.max_head_dim or heads > self.kernel.max_heads:
+            return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
+        store_kv(k, v, k_cache, v_cache, meta)
+        if meta.backend_state is None:
+            meta.backend_state = PagedPlan.make(meta, k_cache.shape[1], q.dtype)
+        plan: PagedPlan = meta.backend_state
+        if plan.rows is None:
+            return self._decode(q.contiguous(), k_cache, v_cache, plan, scale).view(t, -1)
+        out = q.new_empty(t, heads * dim)
+        if plan.rows.numel():
+            o = self._decode(q.index_select(0, plan.rows), k_cache, v_cache, plan, scale)
+            out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
+        prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                plan: PagedPlan, scale: float) -> torch.Tensor:
+        return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale)

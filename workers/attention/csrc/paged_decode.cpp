@@ -1,0 +1,179 @@
+// Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
+// the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
+// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum). Accumulation is
+// in float whatever the cache's dtype. Vector width comes from ATen's Vectorized<float>, set by
+// the flags the extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();
+constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
+constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
+
+// The first n (<= L) values at p as floats; the rest of the vector is zero.
+inline Vec load(const float* p, int64_t n) { return n == L ? Vec::loadu(p) : Vec::loadu(p, n); }
+
+template <typename T>
+inline Vec load(const T* p, int64_t n) {
+  Vec out;
+  if (n == L) {
+    at::vec::load_to_float(p, out);
+  } else {
+    T tail[L] = {};
+    std::copy(p, p + n, tail);
+    at::vec::load_to_float(tail, out);
+  }
+  return out;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, table_width;
+};
+
+// One sequence: q [heads, dim] -> out [heads, dim]; scores [heads, len] and acc [heads, chunks * L]
+// are the calling thread's scratch.
+template <typename T, int64_t chunks, bool exact>
+void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const T* q,
+            float scale, T* out, const Shape& s, float* scores, float* acc) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
+  const int64_t last = s.dim - (chunks - 1) * L;
+  auto width = [&](int64_t c) { return exact || c < chunks - 1 ? L : last; };
+  Vec qv[MAX_HEADS * chunks];
+  for (int64_t r = 0; r < s.heads; ++r)
+    for (int64_t c = 0; c < chunks; ++c)
+      qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
+  Vec x[chunks];
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const T* k = kc + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        Vec a = qv[r * chunks] * x[0];
+        for (int64_t c = 1; c < chunks; ++c) a = at::vec::fmadd(qv[r * chunks + c], x[c], a);
+        scores[r * len + pos] = a.reduce_add();
+      }
+    }
+  }
+  for (int64_t r = 0; r < s.heads; ++r) {
+    float* p = scores + r * len;
+    const float top = *std::max_element(p, p + len);
+    float total = 0.f;
+    for (int64_t i = 0; i < len; ++i) {  // vectorised by the compiler (-ffast-math: libmvec)
+      p[i] = std::exp(p[i] - top);
+      total += p[i];
+    }
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < len; ++i) p[i] *= inv;
+  }
+  std::fill(acc, acc + s.heads * chunks * L, 0.f);
+  for (int64_t pos = 0; pos < len; ++pos) {
+    const T* v = vc + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      for (int64_t c = 0; c < chunks; ++c) x[c] = load(v + h * s.dim + c * L, width(c));
+      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+        const Vec p(scores[r * len + pos]);
+        float* a = acc + r * chunks * L;
+        for (int64_t c = 0; c < chunks; ++c)
+          at::vec::fmadd(p, x[c], Vec::loadu(a + c * L)).store(a + c * L);
+      }
+    }
+  }
+  for (int64_t r = 0; r < s.heads; ++r)
+    for (int64_t d = 0; d < s.dim; ++d) out[r * s.dim + d] = T(acc[r * chunks * L + d]);
+}
+
+// The head's vector count as a template argument, so that the per-token loops unroll.
+template <typename T, typename... Args>
+void attend_any(int64_t dim, Args... args) {
+  const int64_t chunks = (dim + L - 1) / L;
+  const bool exact = dim % L == 0;
+  switch (chunks) {
+#define CASE(C) case C: return exact ? attend<T, C, true>(args...) : attend<T, C, false>(args...);
+    CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+    CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
+#undef CASE
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+         const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
+         double scale) {
+  const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1)};
+  const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t num_blocks = k_cache.size(0);
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {  // a bad table would read outside the cache: refuse it
+    TORCH_CHECK(lens[i] >= 1 && lens[i] <= s.table_width * s.block_size,
+                "paged_decode: context length ", lens[i], " outside the block table");
+    for (int64_t b = 0; b < (lens[i] + s.block_size - 1) / s.block_size; ++b) {
+      const int64_t id = tables[i * s.table_width + b];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_decode: block id ", id, " outside the cache");
+    }
+    longest = std::max(longest, lens[i]);
+  }
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(s.heads * longest), acc(s.heads * chunks * L);
+    for (int64_t i = begin; i < end; ++i)
+      attend_any<T>(s.dim, kp, vp, tables + i * s.table_width, lens[i], qp + i * s.heads * s.dim,
+                float(scale), op + i * s.heads * s.dim, s, scores.data(), acc.data());
+  });
+}
+
+}  // namespace
+
+// q [n, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables [n, width]
+// int64; context_lens [n] int64, each >= 1. Returns [n, heads, dim] in q's dtype.
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale) {
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: q and the caches must be contiguous");
+  TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
+                  block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
+              "paged_decode: block tables and context lengths must be contiguous int64");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "paged_decode: q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) <= MAX_CHUNKS * L && q.size(1) <= MAX_HEADS && q.size(1) % k_cache.size(2) == 0,
+              "paged_decode: unsupported head layout");
+  auto out = at::empty_like(q);
+  if (q.size(0) == 0) return out;
+  switch (q.scalar_type()) {
+    case at::kFloat: run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale); break;
+    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention over a block-table KV cache");
+  m.attr("max_head_dim") = MAX_CHUNKS * L;
+  m.attr("max_heads") = MAX_HEADS;
+  m.attr("vector_width") = L;
+}
