@@ -171,3 +171,27 @@ def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch)
     monkeypatch.setenv(registry.BACKEND_ENV, "cpu_paged")
     with pytest.raises(RuntimeError, match="cpu_paged, but the CPU kernel could not be built"):
         registry.backend_for("cpu")
+
+
+@needs_kernel
+@pytest.mark.slow
+@pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8)])
+def test_the_kernel_built_for_narrower_vectors_matches_the_referee(arch, width, monkeypatch,
+                                                                    tmp_path) -> None:
+    """The same source built for AVX2 (8-float vectors) and for plain x86-64 (ATen's portable
+    vectors): the machines of a fleet differ, and each builds for its own CPU."""
+    if "86" not in os.uname().machine:
+        pytest.skip("x86 targets")
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
+    kernel = cpu_kernel._build(f"paged_decode_{arch.replace('-', '_')}",
+                               cpu_kernel.source_file(), tmp_path)
+    assert kernel.vector_width == width
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for heads, kvh, dim in [(9, 3, 64), (4, 4, 24), (4, 1, 128)]:
+            ctx_lens = [1, BS, BS + 1, 100]
+            q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
+            out = CPUPagedBackend(kernel).forward(q, k, v, k_cache, v_cache, meta, 0.125)
+            for i, ctx in enumerate(ctx_lens):
+                want = referee(q[i], k_cache, v_cache, tables[i], ctx, 0.125)
+                torch.testing.assert_close(out[i].view(heads, dim).double(), want, atol=tol,
+                                           rtol=tol)

@@ -45,6 +45,15 @@ inline Vec load(const T* p, int64_t n) {
   return out;
 }
 
+// The vector's lanes summed (DEFAULT's reduce_add does not compile in torch's headers).
+inline float sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_add();
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+#endif
+}
+
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
 };
@@ -69,7 +78,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
         Vec a = qv[r * chunks] * x[0];
         for (int64_t c = 1; c < chunks; ++c) a = at::vec::fmadd(qv[r * chunks + c], x[c], a);
-        scores[r * len + pos] = a.reduce_add();
+        scores[r * len + pos] = sum(a);
       }
     }
   }
@@ -137,11 +146,13 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
     longest = std::max(longest, lens[i]);
   }
+  // One task per sequence: it reads each K/V row whole. (Splitting a lone sequence by KV head
+  // across threads measured slower on the 2-vCPU machines this was written on.)
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(s.heads * longest), acc(s.heads * chunks * L);
     for (int64_t i = begin; i < end; ++i)
       attend_any<T>(s.dim, kp, vp, tables + i * s.table_width, lens[i], qp + i * s.heads * s.dim,
-                float(scale), op + i * s.heads * s.dim, s, scores.data(), acc.data());
+                    float(scale), op + i * s.heads * s.dim, s, scores.data(), acc.data());
   });
 }
 
