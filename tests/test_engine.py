@@ -25,6 +25,8 @@ from transformers import (
 from prefixserve.router.blocks import hash_chain
 from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
 from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
+from prefixserve.workers.attention.registry import BACKEND_ENV
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import InvalidRequestError
@@ -480,6 +482,14 @@ def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
     text = caplog.text
     assert "512 bytes/token" in text and "10 blocks of 4 = 40 tokens" in text
     assert "GQA saves 2x over MHA (4/2 heads)" in text
+
+
+def test_the_engine_names_the_dtype_and_attention_backend_it_runs(llama, monkeypatch) -> None:
+    path, _ = llama
+    backend = "cpu_paged" if paged_decode_kernel() is not None else "torch_sdpa"
+    assert engine(path).describe_compute() == f"float32, attention {backend}"
+    monkeypatch.setenv(BACKEND_ENV, "torch_sdpa")
+    assert engine(path, dtype="bfloat16").describe_compute() == "bfloat16, attention torch_sdpa"
 
 
 def test_bfloat16_agrees_with_transformers_in_bfloat16(llama) -> None:

@@ -129,6 +129,7 @@ def test_step_time_grows_with_uncached_tokens_batch_and_context() -> None:
 
 def test_virtual_clock_and_profiles() -> None:
     eng = SimEngine(H100_LLAMA3_8B, EngineConfig(num_blocks=64))
+    assert eng.describe_compute() == "simulated"
     eng.add_request("r", list(range(100)), _params(3))
     while eng.has_unfinished():
         eng.step()

@@ -160,9 +160,9 @@ class LLMWorker:
             # Registers (retrying while Redis is down), publishes, heartbeats, resyncs.
             self._publisher.start()
         log.info(
-            "LLMWorker %s ready: model %r on %s, block_size=%d fingerprint=%s index=%s",
-            self.replica_id, model_name, config.device, self.block_size, self.fingerprint,
-            "on" if index_url else "off",
+            "LLMWorker %s ready: model %r on %s (%s), block_size=%d fingerprint=%s index=%s",
+            self.replica_id, model_name, config.device, self.engine.describe_compute(),
+            self.block_size, self.fingerprint, "on" if index_url else "off",
         )
 
     # ---------------------------------------------------------------------------- serving

@@ -110,6 +110,11 @@ class LLMEngine(EngineCore):
             engine.add_lora(name, folder)
         return engine
 
+    def describe_compute(self) -> str:
+        """The dtype and attention backend the model runs, for the worker's start-up log."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        return f"{dtype}, attention {self.model.attention.name}"
+
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Each sample draws from its own generator (seeded per sample index), follows its
         own grammar matcher when constrained, and runs under its request's LoRA adapter."""

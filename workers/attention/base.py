@@ -18,6 +18,8 @@ class AttentionBackend(ABC):
     kernel's plan) on the first call and keep it in `meta.backend_state`.
     """
 
+    name: str  # as PREFIXSERVE_ATTENTION_BACKEND names it, and as the worker's start-up log says
+
     @abstractmethod
     def forward(
         self,

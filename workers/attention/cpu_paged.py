@@ -47,6 +47,8 @@ class PagedPlan:
 class CPUPagedBackend(AttentionBackend):
     """Paged decode in one kernel call per layer; SDPA for the shapes the kernel does not take."""
 
+    name = "cpu_paged"
+
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
         self.fallback = TorchSDPABackend()

@@ -107,7 +107,9 @@ def sdpa_plan(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> S
 
 
 class TorchSDPABackend(AttentionBackend):
-    """Runs on any device torch does; the CPU backend and the default for the others."""
+    """Runs on any device torch does: the default, and the CPU's where the kernel cannot build."""
+
+    name = "torch_sdpa"
 
     def forward(
         self,

@@ -109,6 +109,9 @@ class SimEngine(EngineCore):
             time.sleep(seconds)
         return seconds
 
+    def describe_compute(self) -> str:
+        return "simulated"
+
     @property
     def block_bytes(self) -> int:
         return self.profile.kv_bytes_per_token * self.block_size
