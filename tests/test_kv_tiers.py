@@ -671,6 +671,23 @@ def test_blocks_the_disk_missed_are_written_when_they_leave_the_pool_or_the_host
     both.close()
 
 
+def test_a_write_skipped_for_a_full_disk_evicts_nothing(tmp_path) -> None:
+    """The tier's cap is full and the disk has no room to spare: the new block is skipped as
+    disk_full, and the files the cap would have evicted for it stay."""
+    tiers = small_tiers(tmp_path, disk_files=2)
+    computed(tiers, [A, B])
+    landed(tiers)
+    assert list(tiers.disk.files) == [A, B]
+    tiers.disk.min_free_bytes = 1 << 62
+    computed(tiers, [C])
+    landed(tiers)
+    assert tiers.counters.store_skips == {"disk_full": 1}
+    assert list(tiers.disk.files) == [A, B] and tiers.disk.evicted == []
+    assert sorted(p.name for p in tiers.disk.folder.glob("*.kv")) == sorted(
+        file_name(h) for h in (A, B))
+    tiers.close()
+
+
 def test_failed_disk_writes_are_counted_and_reported_removed_where_nothing_holds_them(
         tmp_path) -> None:
     tiers = small_tiers(tmp_path, disk_files=4)

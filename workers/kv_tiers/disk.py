@@ -163,14 +163,16 @@ class DiskTier:
             return "too_big"
         if len(self.pending) >= MAX_PENDING_WRITES:
             return "disk_busy"
-        if not self._make_room(self.file_bytes):
-            return "disk_busy"  # pending writes fill the cap
+        # The disk's free space before the cap's evictions: a write skipped for want of space
+        # must not cost the files it would have evicted (their unlinks free nothing in time).
         try:
             free = shutil.disk_usage(self.folder).free
         except OSError:  # the folder is gone: serving goes on without the tier
             return "write_error"
         if free - self.file_bytes < self.min_free_bytes:
             return "disk_full"
+        if not self._make_room(self.file_bytes):
+            return "disk_busy"  # pending writes fill the cap
         self.pending.add(block_hash)
         self.used_bytes += self.file_bytes
         payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)
