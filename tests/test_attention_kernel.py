@@ -61,10 +61,15 @@ def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
 @pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 24), (12, 3, 16),
                                            (4, 1, 128), (2, 2, 72)])
 def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim) -> None:
-    ctx_lens = [1, BS - 1, BS, BS + 1, 3 * BS + 5, 100]
+    assert_matches_referee(KERNEL, [1, BS - 1, BS, BS + 1, 3 * BS + 5, 100], heads, kvh, dim,
+                           dtype, tol)
+
+
+def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol) -> None:
+    """A decode step through the backend on `kernel`, each row against the float64 referee."""
     q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
     scale = 1 / math.sqrt(dim)
-    out = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache, v_cache, meta, scale)
+    out = CPUPagedBackend(kernel).forward(q, k, v, k_cache, v_cache, meta, scale)
     assert out.shape == (len(ctx_lens), heads * dim) and out.dtype == dtype
     for i, ctx in enumerate(ctx_lens):
         want = referee(q[i], k_cache, v_cache, tables[i], ctx, scale)
@@ -188,10 +193,4 @@ def test_the_kernel_built_for_narrower_vectors_matches_the_referee(arch, width, 
     assert kernel.vector_width == width
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for heads, kvh, dim in [(9, 3, 64), (4, 4, 24), (4, 1, 128)]:
-            ctx_lens = [1, BS, BS + 1, 100]
-            q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
-            out = CPUPagedBackend(kernel).forward(q, k, v, k_cache, v_cache, meta, 0.125)
-            for i, ctx in enumerate(ctx_lens):
-                want = referee(q[i], k_cache, v_cache, tables[i], ctx, 0.125)
-                torch.testing.assert_close(out[i].view(heads, dim).double(), want, atol=tol,
-                                           rtol=tol)
+            assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol)
