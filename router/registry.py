@@ -2,11 +2,11 @@
 whose error names what was asked and everything known.
 
 The registries: routing policies (`router.routing_policies`), index stores by URL scheme
-(`router.index_stores`), model architectures (`workers.models.registry`), attention backends by
-device type (`workers.attention.registry`), model sources by name prefix
-(`workers.model_sources`) and simulation profiles (`workers.sim.profiles`). Each has a small base
-interface beside it that its entries implement. A plain ``dict`` underneath, so a test may add
-an entry for its length (``monkeypatch.setitem``).
+(`router.index_stores`), model architectures (`workers.models.registry`), attention backends and
+layer ops by device type (`workers.attention.registry`, `workers.models.layers`), model sources
+by name prefix (`workers.model_sources`) and simulation profiles (`workers.sim.profiles`). Each
+has a small base interface beside it that its entries implement. A plain ``dict`` underneath, so
+a test may add an entry for its length (``monkeypatch.setitem``).
 """
 
 from __future__ import annotations

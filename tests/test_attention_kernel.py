@@ -11,14 +11,16 @@ import time
 
 import pytest
 import torch
+from test_layer_ops import check_every_op
 
-from prefixserve.workers.attention import cpu_kernel, registry
-from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
+from prefixserve.workers.attention import registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
+from prefixserve.workers.kernels import build
+from prefixserve.workers.kernels.build import cpu_kernels
 
-KERNEL = paged_decode_kernel()
+KERNEL = cpu_kernels()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C++ toolchain to build the kernel")
 
 BS = 16
@@ -157,21 +159,21 @@ def test_a_kernel_that_cannot_build_leaves_sdpa_with_one_log_line(monkeypatch, t
     """A failed build (here a flag no compiler knows) is a warning and no kernel; a lock left
     by a build killed long ago is cleared first, so it cannot hang every later process."""
     monkeypatch.setenv("PREFIXSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "CFLAGS", ["-fno-such-flag-anywhere"])
-    folder = tmp_path / "kernels" / cpu_kernel.build_name(cpu_kernel.source_file().read_bytes())
+    monkeypatch.setattr(build, "CFLAGS", ["-fno-such-flag-anywhere"])
+    folder = tmp_path / "kernels" / build.build_name(build.source_files())
     folder.mkdir(parents=True)
     (folder / "lock").touch()
-    old = time.time() - cpu_kernel.STALE_LOCK_S - 60
+    old = time.time() - build.STALE_LOCK_S - 60
     os.utime(folder / "lock", (old, old))
     with caplog.at_level(logging.WARNING):
-        assert cpu_kernel.paged_decode_kernel.__wrapped__() is None
-    assert "CPU paged-decode kernel unavailable, attention uses torch SDPA" in caplog.text
+        assert build.cpu_kernels.__wrapped__() is None
+    assert "CPU kernels unavailable, attention uses torch SDPA" in caplog.text
     assert not (folder / "lock").exists()
 
 
 def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch) -> None:
     monkeypatch.delenv(registry.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(registry, "paged_decode_kernel", lambda: None)
+    monkeypatch.setattr(registry, "cpu_kernels", lambda: None)
     assert type(registry.backend_for("cpu")) is TorchSDPABackend
     monkeypatch.setenv(registry.BACKEND_ENV, "cpu_paged")
     with pytest.raises(RuntimeError, match="cpu_paged, but the CPU kernel could not be built"):
@@ -181,16 +183,18 @@ def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch)
 @needs_kernel
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8)])
-def test_the_kernel_built_for_narrower_vectors_matches_the_referee(arch, width, monkeypatch,
-                                                                    tmp_path) -> None:
-    """The same source built for AVX2 (8-float vectors) and for plain x86-64 (ATen's portable
-    vectors): the machines of a fleet differ, and each builds for its own CPU."""
+def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width, monkeypatch,
+                                                                      tmp_path) -> None:
+    """The same sources built for AVX2 (8-float vectors) and for plain x86-64 (ATen's portable
+    vectors): the machines of a fleet differ, and each builds for its own CPU. The layer ops are
+    checked against torch's as tests/test_layer_ops.py checks this machine's build."""
     if "86" not in os.uname().machine:
         pytest.skip("x86 targets")
-    monkeypatch.setattr(cpu_kernel, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
-    kernel = cpu_kernel._build(f"paged_decode_{arch.replace('-', '_')}",
-                               cpu_kernel.source_file(), tmp_path)
+    monkeypatch.setattr(build, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
+    kernel = build._build(f"cpu_kernels_{arch.replace('-', '_')}", build.source_files(),
+                          tmp_path)
     assert kernel.vector_width == width
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for heads, kvh, dim in [(9, 3, 64), (4, 4, 24), (4, 1, 128)]:
             assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol)
+    check_every_op(kernel)

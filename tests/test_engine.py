@@ -25,11 +25,11 @@ from transformers import (
 from prefixserve.router.blocks import hash_chain
 from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerLoad
 from prefixserve.router.sampling_params import SamplingParams
-from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
 from prefixserve.workers.attention.registry import BACKEND_ENV
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import InvalidRequestError
+from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
 from prefixserve.workers.models.config import load_model_config
 
@@ -484,12 +484,15 @@ def test_pool_sized_from_memory_budget_and_logged(llama, caplog) -> None:
     assert "GQA saves 2x over MHA (4/2 heads)" in text
 
 
-def test_the_engine_names_the_dtype_and_attention_backend_it_runs(llama, monkeypatch) -> None:
+def test_the_engine_names_the_dtype_attention_backend_and_layer_ops_it_runs(llama,
+                                                                             monkeypatch) -> None:
     path, _ = llama
-    backend = "cpu_paged" if paged_decode_kernel() is not None else "torch_sdpa"
-    assert engine(path).describe_compute() == f"float32, attention {backend}"
+    backend, ops = ("cpu_paged", "cpu_fused") if cpu_kernels() is not None else ("torch_sdpa",
+                                                                                 "torch")
+    assert engine(path).describe_compute() == f"float32, attention {backend}, layer ops {ops}"
     monkeypatch.setenv(BACKEND_ENV, "torch_sdpa")
-    assert engine(path, dtype="bfloat16").describe_compute() == "bfloat16, attention torch_sdpa"
+    assert (engine(path, dtype="bfloat16").describe_compute()
+            == f"bfloat16, attention torch_sdpa, layer ops {ops}")
 
 
 def test_bfloat16_agrees_with_transformers_in_bfloat16(llama) -> None:

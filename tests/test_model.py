@@ -14,13 +14,14 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend, sdpa_plan
 from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.kv_tensor import allocate_kv_cache, copy_blocks, kv_bytes_per_token
 from prefixserve.workers.models.config import load_model_config, parse_config
+from prefixserve.workers.models.layers import CPULayerOps, LayerOps
 from prefixserve.workers.models.loader import load_model
 
 BS = 4  # small blocks so short prompts span many of them
@@ -63,20 +64,21 @@ def _randomize(model: torch.nn.Module) -> None:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
 
 
-# Every test runs each CPU attention backend against HF: torch SDPA, and the paged-decode kernel
-# where this machine builds it.
-ATTENTION = {"torch_sdpa": TorchSDPABackend}
-if paged_decode_kernel() is not None:
-    ATTENTION["cpu_paged"] = lambda: CPUPagedBackend(paged_decode_kernel())
+# Every test runs against HF both ways a CPU can compute: all in torch (SDPA attention, torch's
+# norms, RoPE and activation: what other devices run), and all in the CPU kernels (paged decode
+# attention, fused layer ops) where this machine builds them.
+COMPUTE = {"torch": lambda: (TorchSDPABackend(), LayerOps())}
+if cpu_kernels() is not None:
+    COMPUTE["cpu_kernels"] = lambda: (CPUPagedBackend(cpu_kernels()), CPULayerOps(cpu_kernels()))
 
 
-@pytest.fixture(scope="module", params=list(ATTENTION))
-def attention(request):
+@pytest.fixture(scope="module", params=list(COMPUTE))
+def compute(request):
     return request.param
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def checkpoint(request, tmp_path_factory, attention):
+def checkpoint(request, tmp_path_factory, compute):
     cfg_cls, extra = CASES[request.param]
     config = cfg_cls(**TINY, **extra)
     torch.manual_seed(0)
@@ -88,7 +90,7 @@ def checkpoint(request, tmp_path_factory, attention):
     if request.param == "mistral":
         assert (path / "model.safetensors.index.json").exists()
     ours = load_model(path, dtype="float32", device="cpu")
-    ours.attention = ATTENTION[attention]()
+    ours.attention, ours.ops = COMPUTE[compute]()
     return request.param, path, hf, ours
 
 

@@ -37,7 +37,7 @@ def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
     assert {name.split("/", 1)[0] for name in names} == {"prefixserve", dist_info(wheel)}
     for module in ("router/blocks.py", "workers/engine.py", "cluster/app.py", "bench/cli.py",
                    "router/lua/lookup.lua", "workers/models/llama.py",
-                   "workers/attention/csrc/paged_decode.cpp"):
+                   "workers/kernels/csrc/paged_decode.cpp"):
         assert f"prefixserve/{module}" in names, module
     assert "prefixserve/__init__.py" not in names  # a namespace package
     # every module of the four folders, subpackages too (a package left out of pyproject's

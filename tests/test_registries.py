@@ -12,12 +12,12 @@ import torch
 from prefixserve.router.index_stores import INDEX_STORES
 from prefixserve.router.registry import Registry
 from prefixserve.router.routing_policies import ROUTING_POLICIES
-from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.registry import BACKEND_ENV, BACKENDS, backend_for
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.kv_tensor import allocate_kv_cache
 from prefixserve.workers.model_sources import (
     MODEL_SOURCES,
@@ -110,7 +110,7 @@ def test_configs_and_fingerprints_are_read_without_torch() -> None:
 
 def test_backend_is_chosen_by_device_type(monkeypatch) -> None:
     monkeypatch.delenv(BACKEND_ENV, raising=False)
-    cpu = CPUPagedBackend if paged_decode_kernel() is not None else TorchSDPABackend
+    cpu = CPUPagedBackend if cpu_kernels() is not None else TorchSDPABackend
     assert type(backend_for("cpu")) is cpu
     assert type(backend_for(torch.device("cuda", 1))) is TorchSDPABackend  # the default
 

@@ -111,9 +111,10 @@ class LLMEngine(EngineCore):
         return engine
 
     def describe_compute(self) -> str:
-        """The dtype and attention backend the model runs, for the worker's start-up log."""
+        """The dtype, attention backend and layer ops the model runs, for the worker's start-up
+        log."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return f"{dtype}, attention {self.model.attention.name}"
+        return f"{dtype}, attention {self.model.attention.name}, layer ops {self.model.ops.name}"
 
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Each sample draws from its own generator (seeded per sample index), follows its

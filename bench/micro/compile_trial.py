@@ -3,12 +3,13 @@
     python -m prefixserve.bench.micro.compile_trial                         # bf16, no quantization
     python -m prefixserve.bench.micro.compile_trial --quantization int4
 
-Each decoder layer's work outside attention is compiled (CPU inductor, dynamic shapes): before
-attention the norm, the q/k/v projection and RoPE; after it the o projection, the residual, the
-norm, the MLP and its residual. Attention stays eager (its plan is Python built once per step).
-The same engine runs eager and compiled, in separate processes (a compiled layer stays
-patched): the first request's time (the compiles), then a 512-token prompt's prefill and the
-median of its 128 decode steps, one thread.
+Each decoder layer's work outside attention is compiled (CPU inductor, dynamic shapes) from
+torch's layer ops: before attention the residual add, the norm, the q/k/v projection and RoPE;
+after it the o projection, the residual add, the norm and the MLP. Attention stays eager (its
+plan is Python built once per step). Eager is the engine as it ships (on a CPU, its fused layer
+ops). The two run in separate processes (a compiled layer stays patched): the first request's
+time (the compiles), then a 512-token prompt's prefill and the median of its 128 decode steps,
+one thread.
 """
 
 from __future__ import annotations
@@ -29,20 +30,27 @@ from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.models import llama
-from prefixserve.workers.models.layers import apply_rope
+from prefixserve.workers.models.layers import LayerOps
+
+TORCH = LayerOps()  # what inductor traces
 
 
-def _before_attention(layer: llama.DecoderLayer, x: torch.Tensor, cis: torch.Tensor):
+def _before_attention(layer: llama.DecoderLayer, x: torch.Tensor,
+                      residual: torch.Tensor | None, cis: torch.Tensor):
     a = layer.self_attn
-    qkv = a.qkv_proj(layer.input_layernorm(x)).view(x.shape[0], -1, a.head_dim)
-    h, kvh = a.heads, a.kv_heads
-    qk = apply_rope(qkv[:, : h + kvh], cis)
-    return qk[:, :h], qk[:, h:], qkv[:, h + kvh:]
+    if residual is None:
+        residual, h = x, layer.input_layernorm(x, None, TORCH)
+    else:
+        h = layer.input_layernorm(x, residual, TORCH)
+    qkv = a.qkv_proj(h).view(x.shape[0], -1, a.head_dim)
+    heads, kvh = a.heads, a.kv_heads
+    TORCH.rope_(qkv, cis, heads + kvh)
+    return qkv[:, :heads], qkv[:, heads:heads + kvh], qkv[:, heads + kvh:], residual
 
 
-def _after_attention(layer: llama.DecoderLayer, attn: torch.Tensor, x: torch.Tensor):
-    x = layer.self_attn.o_proj(attn) + x
-    return layer.mlp(layer.post_attention_layernorm(x)) + x
+def _after_attention(layer: llama.DecoderLayer, attn: torch.Tensor, residual: torch.Tensor):
+    h = layer.post_attention_layernorm(layer.self_attn.o_proj(attn), residual, TORCH)
+    return layer.mlp.down_proj(TORCH.silu_mul(layer.mlp.gate_up_proj(h)))
 
 
 def compile_layers() -> None:
@@ -50,10 +58,10 @@ def compile_layers() -> None:
     before = torch.compile(_before_attention, dynamic=True)
     after = torch.compile(_after_attention, dynamic=True)
 
-    def forward(self, x, cis, meta, k_cache, v_cache, backend, lora=None):
-        q, k, v = before(self, x, cis)
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.self_attn.scale)
-        return after(self, attn, x)
+    def forward(self, x, residual, step, k_cache, v_cache):
+        q, k, v, residual = before(self, x, residual, step.angles)
+        attn = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.self_attn.scale)
+        return after(self, attn, residual), residual
 
     llama.DecoderLayer.forward = forward
 
@@ -64,6 +72,8 @@ def run(mode: str, args: argparse.Namespace) -> dict:
         compile_layers()
     engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), EngineConfig(
         dtype=args.dtype, quantization=args.quantization, enable_prefix_caching=False))
+    if mode == "compiled":
+        engine.model.ops = TORCH  # its RoPE angles and final norm, for the compiled layers
     rng = random.Random(0)
     vocab = engine.model_config.vocab_size
     start = time.perf_counter()

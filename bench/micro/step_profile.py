@@ -1,8 +1,10 @@
-"""Where an engine step's time goes, against the floor the bytes it reads set.
+"""Where an engine step's time goes, against the floor the bytes it reads and its arithmetic
+set.
 
     python -m prefixserve.bench.micro.step_profile                       # fp32, 1 thread
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --quantization int4
+    python -m prefixserve.bench.micro.step_profile --layer-ops torch     # the unfused baseline
 
 One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
 (greedy, EOS ignored); then ``--batch`` sizes decode together. Each step is timed as it runs
@@ -18,8 +20,12 @@ host overhead.
 The floor: a decode step reads every weight once (the embedding table only by row, unless the
 LM head shares it) and every running sequence's cached K/V once, so its time is at least those
 bytes over the machine's memory bandwidth, measured here as one thread summing a buffer larger
-than the caches. ``decode_floor_ms`` is the weights' part; each batch's ``floor_ms`` adds its
-K/V at the mean context of its timed steps.
+than the caches. ``decode_floor_ms`` is the weights' part for one stream. A batch's rows also
+cost arithmetic, at one thread's rate on a large dense product in the model's dtype, measured
+here: on a CPU without fast bf16 (fp32 on AVX2) many streams make the matmuls compute-bound.
+So a batch's ``floor_matmuls_ms`` is the larger of its weights' bytes time and its matmul
+FLOPs' time, its ``floor_attention_ms`` the same for its K/V at the mean context of its timed
+steps and attention's FLOPs, and its ``floor_ms`` their sum (the two run one after the other).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
+from prefixserve.workers.models.layers import LayerOps
 from prefixserve.workers.models.quantization import QuantizedLinear
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
@@ -53,6 +60,26 @@ def read_bandwidth_gb_s(mib: int = 512, reps: int = 5) -> float:
     buf.sum()
     best = min(_timed(buf.sum) for _ in range(reps))
     return buf.nbytes / best / 1e9
+
+
+def matmul_gflop_s(engine: LLMEngine, rows: int = 512, reps: int = 5) -> float:
+    """One thread's rate on a large dense product in the model's dtype, at the shape of its
+    gate/up projection: what a decode batch's matmuls reach once they are compute-bound."""
+    c, dtype = engine.model_config, engine.model.dtype
+    x = torch.randn(rows, c.hidden_size).to(dtype)
+    w = torch.randn(2 * c.intermediate_size, c.hidden_size).to(dtype)
+    torch.nn.functional.linear(x, w)
+    best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(reps))
+    return 2 * x.numel() * w.shape[0] / best / 1e9
+
+
+def flops_per_token(engine: LLMEngine, context: float) -> tuple[float, float]:
+    """A decode row's matmul FLOPs (every linear layer, the LM head included) and its
+    attention's over `context` cached tokens (q·k and the weighted sum of v, every layer)."""
+    c = engine.model_config
+    linear = sum(m.in_features * m.out_features for m in engine.model.modules()
+                 if isinstance(m, torch.nn.Linear | QuantizedLinear))
+    return 2 * linear, 4 * context * c.num_attention_heads * c.head_dim * c.num_hidden_layers
 
 
 def _timed(fn) -> float:
@@ -183,6 +210,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decode", type=int, default=128)
     p.add_argument("--batch", default="1,8,32", help="decode batch sizes")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layer-ops", default="auto", choices=("auto", "torch"),
+                   help="torch: the norms, RoPE and activation as torch ops, even where the "
+                        "device's fused ones are available")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -193,26 +223,36 @@ def main(argv: list[str] | None = None) -> None:
                           max_num_batched_tokens=max(tokens, 2048), enable_prefix_caching=False,
                           num_blocks=max(batches) * (args.prompt + args.decode + 32) // 16 + 64)
     engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), config)
+    if args.layer_ops == "torch":
+        engine.model.ops = LayerOps()
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     bw = read_bandwidth_gb_s()
     weights = weight_bytes(engine)
     floor_s = weights / (bw * 1e9)
+    gflop_s = matmul_gflop_s(engine)
     out: dict = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype,
                  "quantization": args.quantization,
-                 "read_bandwidth_gb_s": round(bw, 1), "weight_bytes_per_step": weights,
+                 "attention": engine.model.attention.name, "layer_ops": engine.model.ops.name,
+                 "read_bandwidth_gb_s": round(bw, 1), "matmul_gflop_s": round(gflop_s, 1),
+                 "weight_bytes_per_step": weights,
                  "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}
     print(json.dumps({k: v for k, v in out.items() if k != "batches"}), flush=True)
     decode_steps(engine, 1, 64, 4, vocab, rng)  # warm up
     kv_per_token = kv_bytes_per_token(engine.model_config, engine.dtype)
     for batch in batches:
         prefill, step, _ = decode_steps(engine, batch, args.prompt, args.decode, vocab, rng)
-        kv = batch * (args.prompt + args.decode / 2) * kv_per_token
-        batch_floor_s = (weights + kv) / (bw * 1e9)
+        context = args.prompt + args.decode / 2
+        linear_flops, attention_flops = flops_per_token(engine, context)
+        weights_s = max(weights / bw, batch * linear_flops / gflop_s) / 1e9
+        kv_s = max(batch * context * kv_per_token / bw, batch * attention_flops / gflop_s) / 1e9
+        batch_floor_s = weights_s + kv_s
         row = {"batch": batch, "prefill_tok_s": round(batch * args.prompt / prefill, 1),
                "decode_step_ms": round(step * 1000, 2),
                "decode_tok_s": round(batch / step, 1),
                "floor_ms": round(batch_floor_s * 1000, 2),
+               "floor_matmuls_ms": round(weights_s * 1000, 2),
+               "floor_attention_ms": round(kv_s * 1000, 2),
                "step_over_floor": round(step / batch_floor_s, 2)}
         out["batches"].append(row)
         print(json.dumps(row), flush=True)

@@ -9,9 +9,9 @@ import torch
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.attention.base import AttentionBackend
-from prefixserve.workers.attention.cpu_kernel import paged_decode_kernel
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
+from prefixserve.workers.kernels.build import cpu_kernels
 
 # `PREFIXSERVE_ATTENTION_BACKEND` (as vLLM's VLLM_ATTENTION_BACKEND) forces one backend by name
 # for the process and the Ray workers it starts; unset, or `auto`, lets the device choose.
@@ -20,12 +20,12 @@ BACKEND_ENV = "PREFIXSERVE_ATTENTION_BACKEND"
 
 def _cpu() -> AttentionBackend:
     """The paged-decode kernel where this machine can build it, else torch SDPA."""
-    kernel = paged_decode_kernel()
+    kernel = cpu_kernels()
     return CPUPagedBackend(kernel) if kernel is not None else TorchSDPABackend()
 
 
 def _cpu_paged() -> AttentionBackend:
-    kernel = paged_decode_kernel()
+    kernel = cpu_kernels()
     if kernel is None:
         raise RuntimeError(f"{BACKEND_ENV}=cpu_paged, but the CPU kernel could not be built "
                            "here (see the log line above)")

@@ -1,29 +1,122 @@
-"""Building blocks shared by Llama-family models: RMSNorm and RoPE (with its scalings)."""
+"""Building blocks shared by Llama-family models: RMSNorm, RoPE (with its scalings) and the ops
+between a layer's matmuls, behind one seam (`LayerOps`) so a device can fuse them.
+
+At a decode step's few rows, torch's norm, RoPE and activation are a dozen small kernels a layer,
+each costing more to dispatch than to compute: a tenth of a CPU decode step. `CPULayerOps` runs
+each as one pass of prefixserve's CPU kernels (`workers.kernels`); `LayerOps` is the torch
+version, for every other device and dtype and where the kernels cannot be built. Both round
+where HF's Llama rounds, so they compute the same model.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from prefixserve.router.registry import Registry
+from prefixserve.workers.kernels.build import cpu_kernels
+
 if TYPE_CHECKING:
     from prefixserve.workers.models.config import ModelConfig
 
 
+class LayerOps:
+    """The norms, RoPE and activation as torch ops: any device, any dtype."""
+
+    name = "torch"
+
+    def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
+        """What `rope_` takes for a step's rows at `positions` (computed once per step)."""
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        return torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+
+    def rope_(self, qkv: torch.Tensor, angles: Any, heads: int) -> None:
+        """RoPE in place on the first `heads` heads of qkv [T, heads + ..., D] (q's and k's)."""
+        qkv[:, :heads] = apply_rope(qkv[:, :heads], angles)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        # Normalise in float32 like the reference, then scale in the model dtype.
+        return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        """`residual += x` in place, then its rows normalised (x may be overwritten with them):
+        a sublayer's output joins the residual stream and the next sublayer's input is its
+        norm."""
+        return self.rms_norm(residual.add_(x), weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU's activation: silu(gate) * up, gate and up the two halves of each row."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # in place: one less big allocation
+
+
+class CPULayerOps(LayerOps):
+    """The same ops, each one call of the CPU kernels (float32 and bfloat16)."""
+
+    name = "cpu_fused"
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
+        freqs = positions[:, None].float() * inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def rope_(self, qkv: torch.Tensor, angles: Any, heads: int) -> None:
+        self.kernels.rope_(qkv, *angles, heads)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.kernels.rms_norm(x, weight, eps)
+
+    def add_rms_norm_(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        return self.kernels.add_rms_norm_(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up)
+
+
+def _torch(dtype: torch.dtype) -> LayerOps:
+    return LayerOps()
+
+
+def _cpu(dtype: torch.dtype) -> LayerOps:
+    kernels = cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
+    return CPULayerOps(kernels) if kernels is not None else LayerOps()
+
+
+# Device type -> the layer ops for a model dtype there; elsewhere torch's.
+OPS: Registry[Callable[[torch.dtype], LayerOps]] = Registry("layer ops", {"cpu": _cpu},
+                                                            default=_torch)
+
+
+def layer_ops_for(device: torch.device | str, dtype: torch.dtype) -> LayerOps:
+    return OPS.lookup(torch.device(device).type)(dtype)
+
+
 class RMSNorm(nn.Module):
+    """RMSNorm's weight and eps; the model's `LayerOps` applies it."""
+
     def __init__(self, dim: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 like the reference, then scale in the model dtype.
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ops: LayerOps) -> torch.Tensor:
+        """x's rows normalised; with a residual, `residual += x` first and its rows instead."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm_(x, residual, self.weight, self.eps)
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:

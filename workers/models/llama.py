@@ -3,26 +3,30 @@
 Mistral and Qwen2 differ from Llama only in their configs (see `workers.models.registry`). q/k/v
 and gate/up are fused into one matmul each (`weight_map` sends the checkpoint's separate tensors
 to row slices), RoPE is applied to q and k in one op, and attention goes through the paged KV
-cache with the backend chosen for the model's device (`workers.attention.registry`). Only the
-rows in `meta.logits_indices` reach the final norm and the LM head. A step's LoRA adapters
-(`workers.lora.LoRABatch`) add to each projection's output for their rows.
+cache with the backend chosen for the model's device (`workers.attention.registry`). The norms,
+RoPE and activation go through the device's `LayerOps`; a sublayer's output joins the residual
+stream inside the next norm (`add_rms_norm_`), so the stream travels beside each layer's output
+rather than being added into it. Only the rows in `meta.logits_indices` reach the final norm and
+the LM head. A step's LoRA adapters (`workers.lora.LoRABatch`) add to each projection's output
+for their rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from prefixserve.workers.attention.registry import backend_for
 from prefixserve.workers.models.base import CausalLM, WeightSlot, to_dtype
 from prefixserve.workers.models.layers import (
+    LayerOps,
     RMSNorm,
-    apply_rope,
     interleave_rope_rows,
+    layer_ops_for,
     rope_inv_freq,
 )
 
@@ -31,6 +35,17 @@ if TYPE_CHECKING:
     from prefixserve.workers.attention.metadata import AttentionMetadata
     from prefixserve.workers.lora import LoRABatch
     from prefixserve.workers.models.config import ModelConfig
+
+
+@dataclass
+class LayerInputs:
+    """What every layer of one step shares."""
+
+    angles: Any  # RoPE's, for the step's positions, in the form `ops.rope_` takes
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    ops: LayerOps
+    lora: LoRABatch | None
 
 
 class Attention(nn.Module):
@@ -47,24 +62,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=False, dtype=dtype)
         self.scale = self.head_dim**-0.5
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cis: torch.Tensor,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        backend: AttentionBackend,
-        lora: LoRABatch | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: LayerInputs, k_cache: torch.Tensor,
+                v_cache: torch.Tensor) -> torch.Tensor:
+        lora = step.lora
         qkv = self.qkv_proj(x)
         if lora is not None:
             lora.apply(qkv, x, self.index, "qkv")
         qkv = qkv.view(x.shape[0], -1, self.head_dim)
         h, kvh = self.heads, self.kv_heads
-        qk = apply_rope(qkv[:, : h + kvh], cis)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + kvh :]
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        step.ops.rope_(qkv, step.angles, h + kvh)
+        q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
+        attn = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.scale)
         if lora is None:
             return self.o_proj(attn)
         return lora.apply(self.o_proj(attn), attn, self.index, "o")
@@ -79,12 +87,12 @@ class MLP(nn.Module):
         )
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, lora: LoRABatch | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: LayerInputs) -> torch.Tensor:
+        lora = step.lora
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply(gate_up, x, self.index, "gate_up")
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate).mul_(up)  # in place: one less big allocation
+        act = step.ops.silu_mul(gate_up)
         if lora is None:
             return self.down_proj(act)
         return lora.apply(self.down_proj(act), act, self.index, "down")
@@ -98,21 +106,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.mlp = MLP(c, dtype, index)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cis: torch.Tensor,
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        backend: AttentionBackend,
-        lora: LoRABatch | None = None,
-    ) -> torch.Tensor:
-        # Residual adds land in the sublayer's fresh output instead of a new tensor.
-        attn = self.self_attn(self.input_layernorm(x), cis, meta, k_cache, v_cache, backend,
-                              lora)
-        x = attn.add_(x)
-        return self.mlp(self.post_attention_layernorm(x), lora).add_(x)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, step: LayerInputs,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it is added); at the first layer x is
+        the embeddings and there is no stream yet."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, None, step.ops)
+        else:
+            h = self.input_layernorm(x, residual, step.ops)
+        attn = self.self_attn(h, step, k_cache, v_cache)
+        return self.mlp(self.post_attention_layernorm(attn, residual, step.ops), step), residual
 
 
 class LlamaForCausalLM(CausalLM):
@@ -135,6 +138,7 @@ class LlamaForCausalLM(CausalLM):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.attention = backend_for(device)
+        self.ops = layer_ops_for(device, self.dtype)
         if device.type != "meta":
             self.inv_freq = rope_inv_freq(self.config).to(device)
 
@@ -153,12 +157,13 @@ class LlamaForCausalLM(CausalLM):
     ) -> torch.Tensor:
         """Run the step's T flat tokens, each row under its LoRA adapter if any; logits
         [len(logits_indices), vocab] in float32."""
-        x = self.embed_tokens(input_ids)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        cis = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+        step = LayerInputs(self.ops.rope_angles(positions, self.inv_freq), meta, self.attention,
+                           self.ops, lora)
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cis, meta, kv_cache[i, 0], kv_cache[i, 1], self.attention, lora)
-        x = self.norm(x.index_select(0, meta.logits_indices))
+            x, residual = layer(x, residual, step, kv_cache[i, 0], kv_cache[i, 1])
+        rows = meta.logits_indices
+        x = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
         return self.lm_head(x).float()
 
     def weight_map(self) -> dict[str, WeightSlot]:

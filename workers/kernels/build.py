@@ -1,13 +1,17 @@
-"""The CPU paged-decode kernel (`csrc/paged_decode.cpp`), compiled once per machine.
+"""prefixserve's CPU kernels (`csrc/`), compiled once per machine into one module.
 
-torch's extension builder compiles it with the host's C++ compiler for the CPU it runs on
+- `paged_decode.cpp`: decode attention over the paged KV cache (`attention.cpu_paged`).
+- `layer_ops.cpp`: RMSNorm (with the residual add), RoPE and SwiGLU's activation, each one pass
+  (`models.layers.CPULayerOps`).
+
+torch's extension builder compiles them with the host's C++ compiler for the CPU it runs on
 (`-march=native`: AVX-512 or AVX2 vectors) into `<PREFIXSERVE_CACHE>/kernels/<name>`, where
-the name is a digest of the source, the flags, torch's version and the CPU's instruction set:
+the name is a digest of the sources, the flags, torch's version and the CPU's instruction set:
 a changed source or another CPU gets its own build, never a stale or foreign one. A later
 process imports the built library directly, in well under a second; processes building at once
 wait on torch's lock. `make setup` builds it ahead (`python -m
-prefixserve.workers.attention.cpu_kernel`). Where it cannot be built (no compiler), CPU
-attention stays torch SDPA, with one log line saying why.
+prefixserve.workers.kernels.build`). Where it cannot be built (no compiler), CPU attention stays
+torch SDPA and the layers torch's ops, with one log line saying why.
 """
 
 from __future__ import annotations
@@ -43,18 +47,18 @@ def _cpu_flags() -> str:
         return platform.machine() + platform.processor()
 
 
-def source_file() -> Path:
-    return Path(str(resources.files("prefixserve.workers.attention") / "csrc"
-                    / "paged_decode.cpp"))
+def source_files() -> list[Path]:
+    folder = Path(str(resources.files("prefixserve.workers.kernels") / "csrc"))
+    return sorted(folder.glob("*.cpp"))
 
 
-def build_name(source: bytes) -> str:
-    """The build's name: it changes with the source, the flags, torch and the CPU."""
+def build_name(sources: list[Path]) -> str:
+    """The build's name: it changes with the sources, the flags, torch and the CPU."""
     import torch
 
-    key = b"\0".join([source, " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                      _cpu_flags().encode()])
-    return f"prefixserve_paged_decode_{hashlib.sha256(key).hexdigest()[:16]}"
+    key = b"\0".join([*(s.read_bytes() for s in sources), " ".join(CFLAGS).encode(),
+                      torch.__version__.encode(), _cpu_flags().encode()])
+    return f"prefixserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:16]}"
 
 
 def _import(name: str, library: Path) -> ModuleType:
@@ -64,38 +68,39 @@ def _import(name: str, library: Path) -> ModuleType:
     return module
 
 
-def _build(name: str, source: Path, folder: Path) -> ModuleType:
+def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=CFLAGS,
+    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
                               build_directory=str(folder), verbose=False)
 
 
 @functools.cache
-def paged_decode_kernel() -> ModuleType | None:
-    """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`), or
-    None where it cannot be built here."""
+def cpu_kernels() -> ModuleType | None:
+    """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
+    `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`), or None where it cannot be built here."""
     started = time.perf_counter()
     try:
-        source = source_file()
-        name = build_name(source.read_bytes())
+        sources = source_files()
+        name = build_name(sources)
         folder = default_cache_dir() / "kernels" / name
         library = folder / f"{name}.so"
         built = library.exists() and not (folder / "lock").exists()
-        module = _import(name, library) if built else _build(name, source, folder)
-    except Exception as exc:  # a build tool's failure of any kind: serve with SDPA instead
+        module = _import(name, library) if built else _build(name, sources, folder)
+    except Exception as exc:  # a build tool's failure of any kind: serve with torch's ops
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        log.warning("CPU paged-decode kernel unavailable, attention uses torch SDPA: %s", first)
+        log.warning("CPU kernels unavailable, attention uses torch SDPA and the layers torch's "
+                    "ops: %s", first)
         return None
-    log.info("CPU paged-decode kernel ready (%d-float vectors) in %.1f s",
+    log.info("CPU kernels ready (%d-float vectors) in %.1f s",
              module.vector_width, time.perf_counter() - started)
     return module
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    raise SystemExit(0 if paged_decode_kernel() is not None else 1)
+    raise SystemExit(0 if cpu_kernels() is not None else 1)

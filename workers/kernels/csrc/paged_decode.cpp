@@ -13,7 +13,7 @@
 #define CPU_CAPABILITY DEFAULT
 #endif
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -182,9 +182,6 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention over a block-table KV cache");
-  m.attr("max_head_dim") = MAX_CHUNKS * L;
-  m.attr("max_heads") = MAX_HEADS;
-  m.attr("vector_width") = L;
-}
+int64_t paged_decode_max_head_dim() { return MAX_CHUNKS * L; }
+int64_t paged_decode_max_heads() { return MAX_HEADS; }
+int64_t vector_width() { return L; }

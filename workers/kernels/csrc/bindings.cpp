@@ -1,0 +1,28 @@
+// The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention) and
+// layer_ops.cpp (the ops between a layer's matmuls).
+#include <torch/extension.h>
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens,
+                        double scale);
+int64_t paged_decode_max_head_dim();
+int64_t paged_decode_max_heads();
+int64_t vector_width();
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                         double eps);
+void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention over a block-table KV cache");
+  m.attr("max_head_dim") = paged_decode_max_head_dim();
+  m.attr("max_heads") = paged_decode_max_heads();
+  m.attr("vector_width") = vector_width();
+  m.def("rms_norm", &rms_norm, "x [rows, dim] -> RMSNorm(x) * weight, a new tensor");
+  m.def("add_rms_norm_", &add_rms_norm_,
+        "In place: residual += x, then x = RMSNorm(residual) * weight; returns x");
+  m.def("rope_", &rope_, "In place: RoPE on the first `heads` heads of qkv [rows, heads, dim]");
+  m.def("silu_mul", &silu_mul, "gate_up [rows, 2 I] -> silu(gate) * up [rows, I]");
+}
