@@ -40,7 +40,8 @@ def referee(q, k_cache, v_cache, table, ctx, scale):
 
 def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
     """A decode step over shuffled blocks: the backend's inputs, with the new K/V already in the
-    step's rows (the backend stores them before attending)."""
+    step's rows (the backend stores them before attending), and q, k and v views of one fused
+    projection's output, as the model passes them."""
     g = torch.Generator().manual_seed(seed)
     per = [-(-c // BS) for c in ctx_lens]
     num_blocks = sum(per) + 3
@@ -52,9 +53,8 @@ def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
     k_cache = torch.randn(num_blocks, BS, kvh, dim, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, BS, kvh, dim, generator=g).to(dtype)
     meta = AttentionMetadata.build([1] * len(ctx_lens), ctx_lens, tables, BS)
-    q = torch.randn(len(ctx_lens), heads, dim, generator=g).to(dtype)
-    k = torch.randn(len(ctx_lens), kvh, dim, generator=g).to(dtype)
-    v = torch.randn(len(ctx_lens), kvh, dim, generator=g).to(dtype)
+    qkv = torch.randn(len(ctx_lens), heads + 2 * kvh, dim, generator=g).to(dtype)
+    q, k, v = qkv[:, :heads], qkv[:, heads : heads + kvh], qkv[:, heads + kvh :]
     return q, k, v, k_cache, v_cache, meta, tables
 
 
@@ -89,6 +89,23 @@ def test_the_new_token_is_stored_and_attended() -> None:
     q.view(1, kvh, 2, dim)[:, :, 1] = q.view(1, kvh, 2, dim)[:, :, 0]
     out = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache, v_cache, meta, 1.0)
     torch.testing.assert_close(out.view(heads, dim), v[0].repeat_interleave(2, dim=0))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_stores_its_kv_where_the_slot_mapping_says(dtype) -> None:
+    """In a step of decode rows only, the kernel stores the new K/V itself, at each sequence's
+    last position in its block table: the cache ends bit-equal to the torch backend's, which
+    stores by the slot mapping."""
+    step = ([1, BS, BS + 1, 37, 64], 9, 3, 64, dtype)
+    q, k, v, got_k, got_v, meta, _ = decode_step(*step)
+    got = CPUPagedBackend(KERNEL).forward(q, k, v, got_k, got_v, meta, 0.125)
+    q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
+    before = k_cache.clone()
+    want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
+    assert not torch.equal(k_cache, before)
+    assert torch.equal(got_k, k_cache) and torch.equal(got_v, v_cache)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
 @needs_kernel
@@ -146,8 +163,12 @@ def test_bad_tables_are_refused_not_read() -> None:
     bad[0, 1] = k_cache.shape[0]
     with pytest.raises(RuntimeError, match=f"block id {k_cache.shape[0]} outside the cache"):
         call(t=bad)
-    with pytest.raises(RuntimeError, match="must be contiguous"):
+    with pytest.raises(RuntimeError, match="with each row's heads contiguous"):
         call(q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    with pytest.raises(RuntimeError, match="k_new and v_new go together"):
+        KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, 1.0, k_new=q[:, :2])
+    with pytest.raises(RuntimeError, match="k_new must be"):
+        KERNEL.paged_decode(q, k_cache, v_cache, tables, lens, 1.0, k_new=q, v_new=q)
     with pytest.raises(RuntimeError, match="share a dtype"):
         call(k=k_cache.double())
     with pytest.raises(RuntimeError, match="contiguous int64"):

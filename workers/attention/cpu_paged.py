@@ -1,9 +1,11 @@
 """The CPU backend: decode rows through the paged kernel, prefill chunks through torch SDPA.
 
-The kernel (`cpu_kernel`) reads each decode sequence's K/V from its blocks in place, once, for
-all its heads; torch SDPA over the same rows has to gather the blocks into a padded copy first
-and runs many small products below the memory's rate. Prefill chunks carry many query rows, where
-SDPA's kernel is already efficient, so they keep the torch backend's path.
+The kernel (`workers.kernels`) reads each decode sequence's K/V from its blocks in place, once,
+for all its heads; torch SDPA over the same rows has to gather the blocks into a padded copy
+first and runs many small products below the memory's rate. In a step where every row decodes,
+the kernel also stores the new K/V rows and reads q, k and v as views of the fused projection's
+output, so a layer's attention is one call. Prefill chunks carry many query rows, where SDPA's
+kernel is already efficient, so they keep the torch backend's path.
 """
 
 from __future__ import annotations
@@ -66,19 +68,17 @@ class CPUPagedBackend(AttentionBackend):
         t, heads, dim = q.shape
         if dim > self.kernel.max_head_dim or heads > self.kernel.max_heads:
             return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
-        store_kv(k, v, k_cache, v_cache, meta)
         if meta.backend_state is None:
             meta.backend_state = PagedPlan.make(meta, k_cache.shape[1], q.dtype)
         plan: PagedPlan = meta.backend_state
-        if plan.rows is None:
-            return self._decode(q.contiguous(), k_cache, v_cache, plan, scale).view(t, -1)
+        if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
+            return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
+                                            k, v).view(t, -1)
+        store_kv(k, v, k_cache, v_cache, meta)
         out = q.new_empty(t, heads * dim)
         if plan.rows.numel():
-            o = self._decode(q.index_select(0, plan.rows), k_cache, v_cache, plan, scale)
+            o = self.kernel.paged_decode(q.index_select(0, plan.rows), k_cache, v_cache,
+                                         plan.tables, plan.lens, scale)
             out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
         prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
         return out
-
-    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                plan: PagedPlan, scale: float) -> torch.Tensor:
-        return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale)

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -123,15 +124,31 @@ void attend_any(int64_t dim, Args... args) {
   }
 }
 
+// Rows of [heads, dim] with the heads of a row contiguous (a view of the fused q/k/v projection's
+// output will do): the step between rows, or an error.
+int64_t row_stride(const at::Tensor& x, int64_t heads, int64_t dim, const char* what) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == dim && x.stride(2) == 1 &&
+                  (heads == 1 || x.stride(1) == dim),
+              "paged_decode: ", what, " must be [n, ", heads, ", ", dim,
+              "] with each row's heads contiguous");
+  return x.stride(0);
+}
+
 template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
-         double scale) {
+         double scale, const std::optional<at::Tensor>& k_new,
+         const std::optional<at::Tensor>& v_new) {
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1)};
-  const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L;
+  const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L, row = s.kv_heads * s.dim;
+  const int64_t q_step = row_stride(q, s.heads, s.dim, "q");
   const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
+  T* kp = k_cache.data_ptr<T>();
+  T* vp = v_cache.data_ptr<T>();
+  const T* knp = k_new ? k_new->data_ptr<T>() : nullptr;
+  const T* vnp = v_new ? v_new->data_ptr<T>() : nullptr;
+  const int64_t k_step = k_new ? row_stride(*k_new, s.kv_heads, s.dim, "k_new") : 0;
+  const int64_t v_step = v_new ? row_stride(*v_new, s.kv_heads, s.dim, "v_new") : 0;
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -146,37 +163,60 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
     longest = std::max(longest, lens[i]);
   }
-  // One task per sequence: it reads each K/V row whole. (Splitting a lone sequence by KV head
-  // across threads measured slower on the 2-vCPU machines this was written on.)
+  // One task per sequence: it stores its new K/V row (the last position of its table, a block
+  // no other sequence holds), then reads each K/V row whole. (Splitting a lone sequence by KV
+  // head across threads measured slower on the 2-vCPU machines this was written on.)
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(s.heads * longest), acc(s.heads * chunks * L);
-    for (int64_t i = begin; i < end; ++i)
-      attend_any<T>(s.dim, kp, vp, tables + i * s.table_width, lens[i], qp + i * s.heads * s.dim,
-                    float(scale), op + i * s.heads * s.dim, s, scores.data(), acc.data());
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t* blocks = tables + i * s.table_width;
+      if (knp != nullptr) {
+        const int64_t pos = lens[i] - 1;
+        const int64_t slot = (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+        std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
+        std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
+      }
+      attend_any<T>(s.dim, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
+                    op + i * s.heads * s.dim, s, scores.data(), acc.data());
+    }
   });
 }
 
 }  // namespace
 
-// q [n, heads, dim]; caches [num_blocks, block_size, kv_heads, dim]; block_tables [n, width]
-// int64; context_lens [n] int64, each >= 1. Returns [n, heads, dim] in q's dtype.
+// q [n, heads, dim] (each row's heads contiguous); caches [num_blocks, block_size, kv_heads, dim];
+// block_tables [n, width] int64; context_lens [n] int64, each >= 1. With k_new and v_new
+// [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
+// last position (context_lens - 1). Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
-                        double scale) {
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode: q and the caches must be contiguous");
+                        double scale, const std::optional<at::Tensor>& k_new,
+                        const std::optional<at::Tensor>& v_new) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode: the caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
                   block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "paged_decode: block tables and context lengths must be contiguous int64");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "paged_decode: q and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) <= MAX_CHUNKS * L && q.size(1) <= MAX_HEADS && q.size(1) % k_cache.size(2) == 0,
+  TORCH_CHECK(q.dim() == 3 && q.size(2) <= MAX_CHUNKS * L && q.size(1) <= MAX_HEADS &&
+                  q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_decode: unsupported head layout");
-  auto out = at::empty_like(q);
+  TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode: k_new and v_new go together");
+  if (k_new) {
+    TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
+                    k_new->size(0) == q.size(0) && v_new->size(0) == q.size(0),
+                "paged_decode: k_new and v_new must be q's dtype, a row per sequence");
+  }
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
   switch (q.scalar_type()) {
-    case at::kFloat: run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale); break;
-    case at::kBFloat16: run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale); break;
+    case at::kFloat:
+      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new);
+      break;
+    case at::kBFloat16:
+      run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new);
+      break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
   return out;
