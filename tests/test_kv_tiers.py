@@ -797,3 +797,62 @@ def test_a_failed_step_drops_a_loading_request_and_its_blocks(llama, tmp_path) -
     (again,) = eng.generate([p], GREEDY)  # the engine goes on, the blocks still on disk
     assert again.num_cached_tokens == 40 and again.samples[0].token_ids == hf_greedy(model, p, 6)
     eng.tiers.close()
+
+
+def count_reads(eng: LLMEngine) -> list[int]:
+    """The disk reads the engine's tiers begin from now on: each one's block count."""
+    calls: list[int] = []
+    read_many = eng.tiers.disk.read_many
+    eng.tiers.disk.read_many = lambda hashes: (calls.append(len(hashes)), read_many(hashes))[1]
+    return calls
+
+
+def test_a_sequence_that_does_not_fit_waits_for_the_running_ones_and_leaves_loads_alone(
+        llama, tmp_path) -> None:
+    """r runs in 5 of the 14 blocks and p's disk read holds the other 9; a, behind p, needs 6.
+    With r running to give blocks back, a waits: p's load keeps its blocks and is read once."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path, num_blocks=14)
+    p, r, a = prompts(40, 17, 24, start=90)
+    only_on_disk(eng, p, n=2)
+    reads = count_reads(eng)
+    eng.add_request("r", r, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    outs: dict[str, list[int]] = {"r": eng.step()[0].new_token_ids, "p": [], "a": []}
+    eng.add_request("p", p, GREEDY)
+    eng.add_request("a", a, GREEDY)
+    for o in eng.step():
+        outs[o.request_id].extend(o.new_token_ids)
+    assert set(eng.scheduler.loading) == {"p#0"} and eng.kv.num_free_blocks == 0
+    eng.tiers.wait(30)  # p's blocks read before r is done
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert reads == [9]
+    assert outs == {"r": hf_greedy(model, r, 3), "p": hf_greedy(model, p, 6),
+                    "a": hf_greedy(model, a, 6)}
+    assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+    eng.tiers.close()
+
+
+def test_with_nothing_running_held_blocks_go_and_the_loader_searches_again_in_the_step(
+        llama, tmp_path) -> None:
+    """p's disk read holds 9 of the 14 blocks and a, behind it, needs 6: with nothing running
+    to give blocks back, the holds go (else they would be held forever) and p searches the
+    tiers again in the same step, its read begun again."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path, num_blocks=14)
+    p, a = prompts(40, 24, start=110)
+    only_on_disk(eng, p, n=2)
+    reads = count_reads(eng)
+    eng.add_request("p", p, GREEDY)
+    eng.add_request("a", a, GREEDY)
+    outs: dict[str, list[int]] = {"p": [], "a": []}
+    for o in eng.step():
+        outs[o.request_id].extend(o.new_token_ids)
+    assert reads == [9, 9] and set(eng.scheduler.loading) == {"p#0"}
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+    assert outs == {"p": hf_greedy(model, p, 6), "a": hf_greedy(model, a, 6)}
+    assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+    eng.tiers.close()
