@@ -429,8 +429,9 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
             outs[o.request_id].extend(o.new_token_ids)
             cached = o.num_cached_tokens if o.request_id == "p" else cached
     assert outs["p"] == hf_greedy(model, p, 6)
-    # it searched the tiers again at its turn, while q still held all but one free block
-    assert cached == BLOCK
+    # it searched the tiers again at its turn, loaded the one block there was room for, and
+    # searched again as q gave blocks back: all of it but the block of its last token
+    assert cached == 9 * BLOCK
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
     eng.tiers.close()
 
@@ -856,3 +857,39 @@ def test_with_nothing_running_held_blocks_go_and_the_loader_searches_again_in_th
     assert outs == {"p": hf_greedy(model, p, 6), "a": hf_greedy(model, a, 6)}
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
     eng.tiers.close()
+
+
+def test_a_sequence_loads_what_the_pool_has_room_for_and_the_rest_once_there_is_room(
+        llama) -> None:
+    """p's 9 blocks are in the host tier, and r runs in 10 of the 14 pool blocks. p loads the
+    4 there is room for and waits; r needs one of them to grow, so p's holds go (one of its
+    blocks is evicted); once r is done p searches again and loads the other 6. It is served
+    exact with 36 cached tokens: 12 counted as the pool's (its earlier loads were pool hits at
+    its last search) and 24 as the host tier's."""
+    path, model = llama
+    eng = engine(path, host_blocks=64, num_blocks=14)
+    p, r = prompts(40, 37, start=130)
+    eng.generate([p], GREEDY)
+    flood(eng, 3)
+    assert all(h in eng.tiers.host for h in hashes_of(eng, p))
+    eng.add_request("r", r, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    outs: dict[str, list[int]] = {"r": eng.step()[0].new_token_ids, "p": []}
+    before, loaded = eng.stats(), eng.tiers.counters.loaded_bytes.get("host", 0)
+    eng.add_request("p", p, GREEDY)
+    for o in eng.step():
+        outs[o.request_id].extend(o.new_token_ids)
+    (waiting,) = eng.scheduler.waiting
+    assert waiting.loaded_blocks == 4 and len(eng.kv.held[waiting.seq_id]) == 4
+    cached = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            if o.request_id == "p" and cached is None:
+                cached = o.num_cached_tokens
+    assert outs == {"r": hf_greedy(model, r, 6), "p": hf_greedy(model, p, 6)}
+    assert cached == 9 * BLOCK
+    after = eng.stats()
+    assert after.prompt_tokens_hit - before.prompt_tokens_hit == 3 * BLOCK
+    assert after.external_tokens_hit - before.external_tokens_hit == 6 * BLOCK
+    assert eng.tiers.counters.loaded_bytes["host"] - loaded == 10 * block_bytes(eng)
+    assert eng.kv.num_free_blocks == 14 and not eng.kv.held

@@ -21,6 +21,7 @@ class Waiting(Protocol):
 
     seq_id: str
     loaded_blocks: int
+    tiers_checked: bool  # set again to False: the pool had no room for all it found lower down
 
     @property
     def hashes(self) -> list[bytes]: ...

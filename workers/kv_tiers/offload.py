@@ -215,7 +215,9 @@ class TieredKV:
     def start_load(self, seq: Waiting, hits: list[Block]) -> bool:
         """Extend `seq`'s pool hits from the tiers below: take pool blocks for the next blocks
         of its chain held lower, fill host ones now, start reading disk ones. True when it
-        must wait for the disk (:meth:`poll` hands it back)."""
+        must wait for the disk (:meth:`poll` hands it back). When the pool has room for only
+        some of them (none: nothing is held), `seq` is marked to search again at its next
+        turn, so what is lower down still loads once running sequences give blocks back."""
         kv, pool, host, disk = self.kv, self.pool, self.host, self.disk
         plan: list[tuple[bytes, str]] = []
         for block_hash in kv.reusable(seq.hashes, seq.num_tokens)[len(hits):]:
@@ -230,8 +232,14 @@ class TieredKV:
                 break
         if not plan:
             return False
+        # the pool's free blocks once the hits are held (a cached hit no one uses is free)
+        room = min(len(plan), pool.num_free - sum(1 for b in hits if b.ref_cnt == 0))
+        if room < len(plan):
+            seq.tiers_checked = False
+        if room <= 0:
+            return False
         kv.hold(seq.seq_id, hits)  # the pool may evict to make room: not these
-        blocks = pool.allocate(min(len(plan), pool.num_free))
+        blocks = pool.allocate(room)
         kv.hold(seq.seq_id, blocks, referenced=True)
         start = time.perf_counter()
         targets: list[tuple[bytes, Block, str]] = []
