@@ -408,6 +408,7 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     p, q = prompts(40, 20, start=30)
     only_on_disk(eng, p, n=2)
     gate = gate_reads(eng)
+    reads = count_reads(eng)
     long = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)  # 50 tokens: 13 blocks
     eng.add_request("q", q, long)
     outs: dict[str, list[int]] = {"p": [], "q": eng.step()[0].new_token_ids}
@@ -432,6 +433,7 @@ def test_running_sequences_take_back_blocks_held_for_a_load(llama, tmp_path) -> 
     # it searched the tiers again at its turn, loaded the one block there was room for, and
     # searched again as q gave blocks back: all of it but the block of its last token
     assert cached == 9 * BLOCK
+    assert reads == [8, 7, 6, 5, 4, 3, 2, 1, 8]  # each time q took a block back, one less
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
     eng.tiers.close()
 
@@ -863,7 +865,8 @@ def test_a_sequence_loads_what_the_pool_has_room_for_and_the_rest_once_there_is_
         llama) -> None:
     """p's 9 blocks are in the host tier, and r runs in 10 of the 14 pool blocks. p loads the
     4 there is room for and waits; r needs one of them to grow, so p's holds go (one of its
-    blocks is evicted); once r is done p searches again and loads the other 6. It is served
+    blocks is evicted) and its next search, with no room, holds nothing; once r is done p
+    searches again and loads the other 6. It is served
     exact with 36 cached tokens: 12 counted as the pool's (its earlier loads were pool hits at
     its last search) and 24 as the host tier's."""
     path, model = llama
@@ -880,12 +883,16 @@ def test_a_sequence_loads_what_the_pool_has_room_for_and_the_rest_once_there_is_
         outs[o.request_id].extend(o.new_token_ids)
     (waiting,) = eng.scheduler.waiting
     assert waiting.loaded_blocks == 4 and len(eng.kv.held[waiting.seq_id]) == 4
-    cached = None
+    cached, held = None, []
     while eng.has_unfinished():
         for o in eng.step():
             outs[o.request_id].extend(o.new_token_ids)
             if o.request_id == "p" and cached is None:
                 cached = o.num_cached_tokens
+        held.append(len(eng.kv.held.get(waiting.seq_id, ())))
+    # r took a block back in the third step: p's holds went, and its search again, with no
+    # room in the pool, held nothing
+    assert held[:3] == [4, 4, 0]
     assert outs == {"r": hf_greedy(model, r, 6), "p": hf_greedy(model, p, 6)}
     assert cached == 9 * BLOCK
     after = eng.stats()
@@ -893,3 +900,36 @@ def test_a_sequence_loads_what_the_pool_has_room_for_and_the_rest_once_there_is_
     assert after.external_tokens_hit - before.external_tokens_hit == 6 * BLOCK
     assert eng.tiers.counters.loaded_bytes["host"] - loaded == 10 * block_bytes(eng)
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+
+
+def test_cached_hits_no_one_uses_are_taken_out_of_the_room_for_loads(llama) -> None:
+    """p's first 4 blocks are still cached in the pool, unused, and its next 5 are in the host
+    tier; r runs in 10 of the 16 blocks. Of the 6 free blocks 4 are p's hits, so there is room
+    to load 2 now (counting the hits as free too would take blocks the pool does not have), and
+    the rest once r is done."""
+    path, model = llama
+    eng = engine(path, host_blocks=64, num_blocks=16)
+    p, s, r = prompts(40, 8, 37, start=150)
+    eng.generate([p], GREEDY)
+    eng.generate([s], GREEDY)  # freed after p's, so evicted after p's tail
+    eng.add_request("r", r, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    outs: dict[str, list[int]] = {"r": eng.step()[0].new_token_ids, "p": []}
+    chain = hashes_of(eng, p)[:9]
+    assert [h in eng.kv.pool.cached for h in chain] == [True] * 3 + [False] * 6
+    assert all(h in eng.tiers.host for h in chain[3:]) and eng.kv.num_free_blocks == 6
+    loaded = eng.tiers.counters.loaded_bytes.get("host", 0)
+    eng.add_request("p", p, GREEDY)
+    for o in eng.step():
+        outs[o.request_id].extend(o.new_token_ids)
+    (waiting,) = eng.scheduler.waiting
+    assert waiting.loaded_blocks == 3 and len(eng.kv.held[waiting.seq_id]) == 6
+    cached = None
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            if o.request_id == "p" and cached is None:
+                cached = o.num_cached_tokens
+    assert outs == {"r": hf_greedy(model, r, 3), "p": hf_greedy(model, p, 6)}
+    assert cached == 9 * BLOCK
+    assert eng.tiers.counters.loaded_bytes["host"] - loaded == 6 * block_bytes(eng)
+    assert eng.kv.num_free_blocks == 16 and not eng.kv.held
