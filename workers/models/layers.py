@@ -2,10 +2,10 @@
 between a layer's matmuls, behind one seam (`LayerOps`) so a device can fuse them.
 
 At a decode step's few rows, torch's norm, RoPE and activation are a dozen small kernels a layer,
-each costing more to dispatch than to compute: a tenth of a CPU decode step. `CPULayerOps` runs
-each as one pass of prefixserve's CPU kernels (`workers.kernels`); `LayerOps` is the torch
-version, for every other device and dtype and where the kernels cannot be built. Both round
-where HF's Llama rounds, so they compute the same model.
+each costing more to dispatch than to compute: a tenth to a sixth of a CPU decode step.
+`CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`); `LayerOps`
+is the torch version, for every other device and dtype and where the kernels cannot be built.
+Both round where HF's Llama rounds, so they compute the same model.
 """
 
 from __future__ import annotations
