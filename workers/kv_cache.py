@@ -59,6 +59,10 @@ class BlockPool:
     def num_free(self) -> int:
         return self.free.num_free
 
+    def num_free_besides(self, hits: Sequence[Block]) -> int:
+        """Free blocks once `hits` are taken: a cached hit no one uses is itself free."""
+        return self.free.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+
     @property
     def num_empty(self) -> int:
         """Free blocks holding no hash: allocating up to this many evicts nothing."""
@@ -273,8 +277,7 @@ class KVCacheManager:
         # copy-on-write: the first block written may be a partial block shared with a fork
         first = num_computed // bs
         cow = int(first < len(table) and table[first].ref_cnt > 1)
-        revived = sum(1 for b in computed if b.ref_cnt == 0)
-        if num_new + cow > self.pool.num_free - revived:
+        if num_new + cow > self.pool.num_free_besides(computed):
             if not table:
                 del self.tables[seq_id], self._num_cached[seq_id]
             return False

@@ -232,8 +232,7 @@ class TieredKV:
                 break
         if not plan:
             return False
-        # the pool's free blocks once the hits are held (a cached hit no one uses is free)
-        room = min(len(plan), pool.num_free - sum(1 for b in hits if b.ref_cnt == 0))
+        room = min(len(plan), pool.num_free_besides(hits))  # once the hits are held
         if room < len(plan):
             seq.tiers_checked = False
         if room <= 0:

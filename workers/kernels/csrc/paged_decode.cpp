@@ -59,6 +59,12 @@ struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
 };
 
+// Where position `pos` of a sequence with block table `blocks` starts in a cache of rows of
+// `row` values (every KV head of one token).
+inline int64_t row_at(const int64_t* blocks, int64_t pos, const Shape& s, int64_t row) {
+  return (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+}
+
 // One sequence: q [heads, dim] -> out [heads, dim]; scores [heads, len] and acc [heads, chunks * L]
 // are the calling thread's scratch.
 template <typename T, int64_t chunks, bool exact>
@@ -73,7 +79,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
   Vec x[chunks];
   for (int64_t pos = 0; pos < len; ++pos) {
-    const T* k = kc + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+    const T* k = kc + row_at(blocks, pos, s, row);
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
@@ -96,7 +102,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   }
   std::fill(acc, acc + s.heads * chunks * L, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
-    const T* v = vc + (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+    const T* v = vc + row_at(blocks, pos, s, row);
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(v + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
@@ -171,8 +177,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* blocks = tables + i * s.table_width;
       if (knp != nullptr) {
-        const int64_t pos = lens[i] - 1;
-        const int64_t slot = (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+        const int64_t slot = row_at(blocks, lens[i] - 1, s, row);
         std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
         std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
       }
