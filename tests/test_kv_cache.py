@@ -103,9 +103,10 @@ def test_lru_eviction_tail_first_and_cached_blocks_reusable() -> None:
     # LRU: a freed first (tail first: 2,1,0), then b (4,3); block 5 never used sits in front
     assert free_ids(kv) == [5, 2, 1, 0, 4, 3]
     kv.pool.take_events()
-    # a new unrelated prompt needing 3 blocks takes 5, then evicts a's tail (2) then 1
+    # a new unrelated prompt needing 3 blocks takes 5, then evicts a's tail (2) then 1; its
+    # table holds them in ascending order, so that its K/V run forwards through memory
     admit(kv, "c", list(range(200, 212)))
-    assert kv.block_ids("c") == [5, 2, 1]
+    assert kv.block_ids("c") == [1, 2, 5]
     a = chain(list(range(12)))
     assert kv.pool.take_events()[0] == BlockRemoved((a[2], a[1]))
     # a's head survives and is still a hit

@@ -178,16 +178,18 @@ def test_rollback_skips_blocks_evicted_within_the_step() -> None:
     # same step: c needs every block, evicting a's hashes (reported once, by the eviction)
     c = chain(list(range(50, 60)))
     assert admit(kv, "c", list(range(50, 60)))
-    assert kv.block_ids("c") == [2, 1, 0]  # block 0 (a's head) is c's unhashed partial block
+    # a's blocks are evicted tail first and reused for c's head; block 2 (never used) is c's
+    # unhashed partial block
+    assert kv.block_ids("c") == [0, 1, 2]
     assert kv.take_events() == [
         BlockStored(tuple(a)),
         BlockRemoved((a[1], a[0])),
         BlockStored(tuple(c)),
     ]
     kv.rollback_step()
-    # block 0 comes first in the uncommitted list and is skipped; the rest are still undone.
-    # Block 1 is listed twice (under a's hash, then c's): its first listing finds c's hash.
-    assert kv.take_events() == [BlockRemoved((c[1], c[0]))]
+    # blocks 0 and 1 are listed twice (under a's hashes, then c's): their first listings find
+    # c's hashes and undo them; the second find no hash and are skipped
+    assert kv.take_events() == [BlockRemoved((c[0], c[1]))]
     assert kv.cached_hashes() == []
     check_invariants(kv)
 

@@ -51,7 +51,7 @@ class BlockPool:
         self.events: list[KVEvent] = []
         self.uncommitted: list[Block] = []  # hashed since the last commit: KV not written yet
         self.num_cached_free = 0  # free blocks that still hold a hash (evictable cache hits)
-        # the tiers below the pool (invariant 8); None: an evicted block is gone
+        # the tiers below the pool (the KV tiers' invariants); None: an evicted block is gone
         self.on_evict: Callable[[list[tuple[bytes, Block]]], None] | None = None
         self.on_commit: Callable[[list[Block]], None] | None = None
 
@@ -69,7 +69,12 @@ class BlockPool:
         return self.free.num_free - self.num_cached_free
 
     def allocate(self, n: int) -> list[Block]:
-        """Pop ``n`` free blocks (ref 1 each), evicting the hashes of reused cached blocks."""
+        """Pop ``n`` free blocks (ref 1 each), evicting the hashes of reused cached blocks.
+
+        They are returned in ascending id order (invariant 8): eviction pops a finished
+        sequence's blocks tail first, and a table that runs backwards through memory halves the
+        rate at which the CPU decode kernel streams its K/V.
+        """
         if n > self.free.num_free:
             raise RuntimeError(f"asked for {n} KV blocks, {self.free.num_free} free")
         out: list[Block] = []
@@ -85,6 +90,7 @@ class BlockPool:
             out.append(block)
         if evicted:
             self._evicted(evicted)
+        out.sort(key=lambda b: b.block_id)
         return out
 
     def _evicted(self, evicted: list[tuple[bytes, Block]]) -> None:

@@ -5,6 +5,7 @@ set.
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --quantization int4
     python -m prefixserve.bench.micro.step_profile --layer-ops torch     # the unfused baseline
+    python -m prefixserve.bench.micro.step_profile --batch 32,32 --prefix-caching  # a used pool
 
 One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
 (greedy, EOS ignored); then ``--batch`` sizes decode together. Each step is timed as it runs
@@ -213,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layer-ops", default="auto", choices=("auto", "torch"),
                    help="torch: the norms, RoPE and activation as torch ops, even where the "
                         "device's fused ones are available")
+    p.add_argument("--prefix-caching", action="store_true",
+                   help="finished sequences' blocks stay cached, and later batches evict them "
+                        "(tail first), as in a serving engine's pool; without it each batch "
+                        "takes blocks in a fresh pool's order")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -220,7 +225,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = max(batches) * args.prompt
     config = EngineConfig(dtype=args.dtype, quantization=args.quantization,
                           max_num_seqs=max(batches),
-                          max_num_batched_tokens=max(tokens, 2048), enable_prefix_caching=False,
+                          max_num_batched_tokens=max(tokens, 2048),
+                          enable_prefix_caching=args.prefix_caching,
                           num_blocks=max(batches) * (args.prompt + args.decode + 32) // 16 + 64)
     engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), config)
     if args.layer_ops == "torch":
