@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 from test_layer_ops import check_every_op
+from test_small_linear import check_small_linear
 
 from prefixserve.workers.attention import registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
@@ -219,3 +220,5 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
         for heads, kvh, dim in [(9, 3, 64), (4, 4, 24), (4, 1, 128)]:
             assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol)
     check_every_op(kernel)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_small_linear(kernel, dtype)

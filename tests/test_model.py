@@ -65,11 +65,13 @@ def _randomize(model: torch.nn.Module) -> None:
 
 
 # Every test runs against HF both ways a CPU can compute: all in torch (SDPA attention, torch's
-# norms, RoPE and activation: what other devices run), and all in the CPU kernels (paged decode
-# attention, fused layer ops) where this machine builds them.
+# norms, RoPE, activation and matmuls: what other devices run), and all in the CPU kernels (paged
+# decode attention, fused layer ops, every linear layer at up to 8 rows through the small-row
+# kernel, whatever this machine measured) where this machine builds them.
 COMPUTE = {"torch": lambda: (TorchSDPABackend(), LayerOps())}
 if cpu_kernels() is not None:
-    COMPUTE["cpu_kernels"] = lambda: (CPUPagedBackend(cpu_kernels()), CPULayerOps(cpu_kernels()))
+    COMPUTE["cpu_kernels"] = lambda: (CPUPagedBackend(cpu_kernels()),
+                                      CPULayerOps(cpu_kernels(), small_rows=8))
 
 
 @pytest.fixture(scope="module", params=list(COMPUTE))

@@ -5,6 +5,7 @@ set.
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --batch 1,8,32
     python -m prefixserve.bench.micro.step_profile --dtype bfloat16 --quantization int4
     python -m prefixserve.bench.micro.step_profile --layer-ops torch     # the unfused baseline
+    python -m prefixserve.bench.micro.step_profile --small-linear-rows 0 # every matmul by BLAS
     python -m prefixserve.bench.micro.step_profile --batch 32,32 --prefix-caching  # a used pool
 
 One request of ``--prompt`` tokens is prefilled in one step and decoded for ``--decode`` steps
@@ -37,6 +38,7 @@ import random
 import statistics
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,7 +49,7 @@ from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
-from prefixserve.workers.models.layers import LayerOps
+from prefixserve.workers.models.layers import CPULayerOps, LayerOps
 from prefixserve.workers.models.quantization import QuantizedLinear
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
@@ -113,7 +115,8 @@ class Parts:
         self.ms: dict[str, float] = defaultdict(float)
         self._inner: list[float] = []  # per open call: the seconds its wrapped callees took
 
-    def wrap(self, owner: object, attr: str, part: str) -> None:
+    def wrap(self, owner: object, attr: str, part: str | Callable[..., str]) -> None:
+        """`part` names the part, or tells it from the call's arguments."""
         fn = getattr(owner, attr)
 
         def timed(*args, **kwargs):
@@ -123,7 +126,8 @@ class Parts:
                 return fn(*args, **kwargs)
             finally:
                 took = time.perf_counter() - start
-                self.ms[part] += (took - self._inner.pop()) * 1000
+                name = part(*args, **kwargs) if callable(part) else part
+                self.ms[name] += (took - self._inner.pop()) * 1000
                 if self._inner:
                     self._inner[-1] += took
 
@@ -140,14 +144,13 @@ def instrument(engine: LLMEngine) -> Parts:
     parts.wrap(engine.sampler, "sample", "sampling")
     parts.wrap(model, "forward", "model other")
     parts.wrap(model.attention, "forward", "attention")
-    parts.wrap(model.lm_head, "forward", "lm_head")
+    parts.wrap(model.ops, "linear",
+               lambda layer, x: "lm_head" if layer is model.lm_head else "matmuls")
     parts.wrap(model.norm, "forward", "norms")
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         parts.wrap(attn, "forward", "attention layer other")
         parts.wrap(mlp, "forward", "mlp activation")
-        for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
-            parts.wrap(linear, "forward", "matmuls")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             parts.wrap(norm, "forward", "norms")
     return parts
@@ -214,6 +217,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--layer-ops", default="auto", choices=("auto", "torch"),
                    help="torch: the norms, RoPE and activation as torch ops, even where the "
                         "device's fused ones are available")
+    p.add_argument("--small-linear-rows", type=int, default=None,
+                   help="linear layers at 1 to this many rows through the small-row kernel "
+                        "(0: never); default: what this process measured")
     p.add_argument("--prefix-caching", action="store_true",
                    help="finished sequences' blocks stay cached, and later batches evict them "
                         "(tail first), as in a serving engine's pool; without it each batch "
@@ -231,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine.from_pretrained(resolve_checkpoint(args.model), config)
     if args.layer_ops == "torch":
         engine.model.ops = LayerOps()
+    elif args.small_linear_rows is not None and isinstance(engine.model.ops, CPULayerOps):
+        engine.model.ops.small_rows = args.small_linear_rows
     vocab = engine.model_config.vocab_size
     rng = random.Random(args.seed)
     bw = read_bandwidth_gb_s()
@@ -240,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     out: dict = {"cpu": cpu_name(), "threads": args.threads, "dtype": args.dtype,
                  "quantization": args.quantization,
                  "attention": engine.model.attention.name, "layer_ops": engine.model.ops.name,
+                 "small_linear_rows": getattr(engine.model.ops, "small_rows", 0),
                  "read_bandwidth_gb_s": round(bw, 1), "matmul_gflop_s": round(gflop_s, 1),
                  "weight_bytes_per_step": weights,
                  "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}

@@ -3,6 +3,8 @@
 - `paged_decode.cpp`: decode attention over the paged KV cache (`attention.cpu_paged`).
 - `layer_ops.cpp`: RMSNorm (with the residual add), RoPE and SwiGLU's activation, each one pass
   (`models.layers.CPULayerOps`).
+- `small_linear.cpp`: linear layers at a decode step's few rows, one ordered pass over the
+  weights (`models.layers.CPULayerOps.linear`).
 
 torch's extension builder compiles them with the host's C++ compiler for the CPU it runs on
 (`-march=native`: AVX-512 or AVX2 vectors) into `<PREFIXSERVE_CACHE>/kernels/<name>`, where
@@ -82,7 +84,8 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
 @functools.cache
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
-    `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`), or None where it cannot be built here."""
+    `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`, `small_linear`, `small_linear_max_rows`), or
+    None where it cannot be built here."""
     started = time.perf_counter()
     try:
         sources = source_files()

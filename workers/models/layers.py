@@ -1,11 +1,14 @@
-"""Building blocks shared by Llama-family models: RMSNorm, RoPE (with its scalings) and the ops
-between a layer's matmuls, behind one seam (`LayerOps`) so a device can fuse them.
+"""Building blocks shared by Llama-family models: RMSNorm, RoPE (with its scalings), the ops
+between a layer's matmuls and the matmuls' entry point, behind one seam (`LayerOps`) so a device
+can fuse them.
 
 At a decode step's few rows, torch's norm, RoPE and activation are a dozen small kernels a layer,
 each costing more to dispatch than to compute: a tenth to a sixth of a CPU decode step.
-`CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`); `LayerOps`
-is the torch version, for every other device and dtype and where the kernels cannot be built.
-Both round where HF's Llama rounds, so they compute the same model.
+`CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`), and a plain
+linear layer at a few rows through the small-row kernel where it measured faster than BLAS
+(`workers.models.small_linear`); `LayerOps` is the torch version, for every other device and
+dtype and where the kernels cannot be built. Both round where HF's Llama rounds, so they compute
+the same model.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.kernels.build import cpu_kernels
+from prefixserve.workers.models.small_linear import small_linear_rows
 
 if TYPE_CHECKING:
     from prefixserve.workers.models.config import ModelConfig
@@ -30,6 +34,10 @@ class LayerOps:
     """The norms, RoPE and activation as torch ops: any device, any dtype."""
 
     name = "torch"
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A projection or the LM head applied to x's rows (the module's own forward)."""
+        return layer(x)
 
     def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
         """What `rope_` takes for a step's rows at `positions` (computed once per step)."""
@@ -64,8 +72,17 @@ class CPULayerOps(LayerOps):
 
     name = "cpu_fused"
 
-    def __init__(self, kernels: ModuleType) -> None:
+    def __init__(self, kernels: ModuleType, small_rows: int = 0) -> None:
         self.kernels = kernels
+        self.small_rows = small_rows  # linear layers at 1 to this many rows: the kernel's
+
+    def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A plain linear layer (not a quantized or other one) at a few contiguous rows of its
+        own dtype goes through the small-row kernel; anything else through its forward."""
+        if (type(layer) is nn.Linear and x.dim() == 2 and 0 < x.shape[0] <= self.small_rows
+                and x.dtype == layer.weight.dtype and x.is_contiguous()):
+            return self.kernels.small_linear(x, layer.weight, layer.bias)
+        return layer(x)
 
     def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
         freqs = positions[:, None].float() * inv_freq[None, :]
@@ -91,7 +108,9 @@ def _torch(dtype: torch.dtype) -> LayerOps:
 
 def _cpu(dtype: torch.dtype) -> LayerOps:
     kernels = cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
-    return CPULayerOps(kernels) if kernels is not None else LayerOps()
+    if kernels is None:
+        return LayerOps()
+    return CPULayerOps(kernels, small_linear_rows(kernels, dtype))
 
 
 # Device type -> the layer ops for a model dtype there; elsewhere torch's.

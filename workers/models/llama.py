@@ -4,11 +4,11 @@ Mistral and Qwen2 differ from Llama only in their configs (see `workers.models.r
 and gate/up are fused into one matmul each (`weight_map` sends the checkpoint's separate tensors
 to row slices), RoPE is applied to q and k in one op, and attention goes through the paged KV
 cache with the backend chosen for the model's device (`workers.attention.registry`). The norms,
-RoPE and activation go through the device's `LayerOps`; a sublayer's output joins the residual
-stream inside the next norm (`add_rms_norm_`), so the stream travels beside each layer's output
-rather than being added into it. Only the rows in `meta.logits_indices` reach the final norm and
-the LM head. A step's LoRA adapters (`workers.lora.LoRABatch`) add to each projection's output
-for their rows.
+RoPE, activation and the calls of the linear layers go through the device's `LayerOps`; a
+sublayer's output joins the residual stream inside the next norm (`add_rms_norm_`), so the stream
+travels beside each layer's output rather than being added into it. Only the rows in
+`meta.logits_indices` reach the final norm and the LM head. A step's LoRA adapters
+(`workers.lora.LoRABatch`) add to each projection's output for their rows.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: LayerInputs, k_cache: torch.Tensor,
                 v_cache: torch.Tensor) -> torch.Tensor:
         lora = step.lora
-        qkv = self.qkv_proj(x)
+        qkv = step.ops.linear(self.qkv_proj, x)
         if lora is not None:
             lora.apply(qkv, x, self.index, "qkv")
         qkv = qkv.view(x.shape[0], -1, self.head_dim)
@@ -73,9 +73,8 @@ class Attention(nn.Module):
         step.ops.rope_(qkv, step.angles, h + kvh)
         q, k, v = qkv[:, :h], qkv[:, h : h + kvh], qkv[:, h + kvh :]
         attn = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.scale)
-        if lora is None:
-            return self.o_proj(attn)
-        return lora.apply(self.o_proj(attn), attn, self.index, "o")
+        out = step.ops.linear(self.o_proj, attn)
+        return out if lora is None else lora.apply(out, attn, self.index, "o")
 
 
 class MLP(nn.Module):
@@ -89,13 +88,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, step: LayerInputs) -> torch.Tensor:
         lora = step.lora
-        gate_up = self.gate_up_proj(x)
+        gate_up = step.ops.linear(self.gate_up_proj, x)
         if lora is not None:
             lora.apply(gate_up, x, self.index, "gate_up")
         act = step.ops.silu_mul(gate_up)
-        if lora is None:
-            return self.down_proj(act)
-        return lora.apply(self.down_proj(act), act, self.index, "down")
+        out = step.ops.linear(self.down_proj, act)
+        return out if lora is None else lora.apply(out, act, self.index, "down")
 
 
 class DecoderLayer(nn.Module):
@@ -164,7 +162,7 @@ class LlamaForCausalLM(CausalLM):
             x, residual = layer(x, residual, step, kv_cache[i, 0], kv_cache[i, 1])
         rows = meta.logits_indices
         x = self.norm(x.index_select(0, rows), residual.index_select(0, rows), self.ops)
-        return self.lm_head(x).float()
+        return self.ops.linear(self.lm_head, x).float()
 
     def weight_map(self) -> dict[str, WeightSlot]:
         """HF names -> our parameters; q/k/v and gate/up land in row slices of the fused ones,

@@ -1,5 +1,5 @@
-// The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention) and
-// layer_ops.cpp (the ops between a layer's matmuls).
+// The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention),
+// layer_ops.cpp (the ops between a layer's matmuls) and small_linear.cpp (matmuls at a few rows).
 #include <torch/extension.h>
 
 #include <optional>
@@ -18,6 +18,10 @@ at::Tensor add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& 
 void rope_(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads);
 at::Tensor silu_mul(const at::Tensor& gate_up);
 
+at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
+                        const std::optional<at::Tensor>& bias);
+int64_t small_linear_max_rows();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode,
         "Paged decode attention over a block-table KV cache, storing the new K/V rows first",
@@ -32,4 +36,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "In place: residual += x, then x = RMSNorm(residual) * weight; returns x");
   m.def("rope_", &rope_, "In place: RoPE on the first `heads` heads of qkv [rows, heads, dim]");
   m.def("silu_mul", &silu_mul, "gate_up [rows, 2 I] -> silu(gate) * up [rows, I]");
+  m.def("small_linear", &small_linear, "x [M, K] (M small), w [N, K] -> x w^T + bias [M, N]",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.attr("small_linear_max_rows") = small_linear_max_rows();
 }
