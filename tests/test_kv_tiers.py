@@ -33,6 +33,7 @@ from prefixserve.workers.kv_tiers.disk import DiskTier
 from prefixserve.workers.kv_tiers.disk_format import HEADER, file_name, layout_key
 from prefixserve.workers.kv_tiers.host import HostTier
 from prefixserve.workers.kv_tiers.offload import TieredKV
+from prefixserve.workers.scheduler import SeqStatus
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 BLOCK = 4
@@ -835,6 +836,77 @@ def test_a_sequence_that_does_not_fit_waits_for_the_running_ones_and_leaves_load
                     "a": hf_greedy(model, a, 6)}
     assert eng.kv.num_free_blocks == 14 and not eng.kv.held
     eng.tiers.close()
+
+
+def test_a_sequence_back_from_its_read_waits_for_room_and_can_be_aborted_there(
+        llama, tmp_path) -> None:
+    """r runs in 5 of the 14 blocks and p's disk read holds the other 9. Once read, p is back
+    in the waiting queue (waiting: its last block has no room until r is done); aborted
+    there, it leaves the queue and gives its blocks back, and r is served exact."""
+    path, model = llama
+    eng = engine(path, disk=tmp_path, num_blocks=14)
+    p, r = prompts(40, 17, start=150)
+    only_on_disk(eng, p, n=2)
+    eng.add_request("r", r, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    outs: dict[str, list[int]] = {"r": eng.step()[0].new_token_ids, "p": []}
+    eng.add_request("p", p, GREEDY)
+    for o in eng.step():
+        outs[o.request_id].extend(o.new_token_ids)
+    (seq,) = eng.scheduler.loading.values()
+    eng.tiers.wait(30)
+    for o in eng.step():  # the read lands: p waits, its blocks held, with r still running
+        outs[o.request_id].extend(o.new_token_ids)
+    assert seq.status is SeqStatus.WAITING and list(eng.scheduler.waiting) == [seq]
+    assert len(eng.kv.held[seq.seq_id]) == 9
+    eng.abort("p")
+    assert not eng.scheduler.waiting and not eng.kv.held
+    while eng.has_unfinished():
+        for o in eng.step():
+            outs[o.request_id].extend(o.new_token_ids)
+            if o.request_id == "p":
+                assert o.finish_reason == "abort"
+    assert outs["r"] == hf_greedy(model, r, 4) and outs["p"] == []
+    assert eng.kv.num_free_blocks == 14
+    eng.tiers.close()
+
+
+def test_a_load_dropped_for_a_running_sequence_leaves_its_sequence_waiting(
+        llama, tmp_path) -> None:
+    """p's disk read holds 9 of the 14 blocks while r prefills 8 tokens a step; at r's third
+    chunk the pool is out of blocks, so p's load is dropped and p waits, searched again at its
+    next turn (r's chunk took this step's budget). Aborted there, it leaves the queue; else it
+    reads again and both are served exact."""
+    path, model = llama
+    for abort in (True, False):
+        folder = tmp_path / str(abort)
+        eng = engine(path, disk=folder, num_blocks=14, max_num_batched_tokens=8)
+        p, r = prompts(40, 30, start=170)
+        only_on_disk(eng, p, n=2)
+        reads = count_reads(eng)
+        gate = gate_reads(eng)
+        eng.add_request("p", p, GREEDY)
+        eng.step()
+        (seq,) = eng.scheduler.loading.values()
+        eng.add_request("r", r, GREEDY)
+        got: dict[str, list[int]] = {"p": [], "r": []}
+        for _ in range(3):  # r's chunks: 2 blocks each, then 2 more than the 1 left
+            for o in eng.step():
+                got[o.request_id].extend(o.new_token_ids)
+        assert seq.status is SeqStatus.WAITING and list(eng.scheduler.waiting) == [seq]
+        assert not eng.scheduler.loading and not eng.kv.held and not seq.tiers_checked
+        gate.set()  # the dropped read lands; nothing takes it
+        if abort:
+            eng.abort("p")
+            assert not eng.scheduler.waiting
+        while eng.has_unfinished():
+            for o in eng.step():
+                got[o.request_id].extend(o.new_token_ids)
+        assert got["r"] == hf_greedy(model, r, 6)
+        assert got["p"] == ([] if abort else hf_greedy(model, p, 6))
+        # the read begun again once p's turn came (in parts, as r left the pool room)
+        assert reads[0] == 9 and (len(reads) == 1) == abort
+        assert eng.kv.num_free_blocks == 14 and not eng.kv.held
+        eng.tiers.close()
 
 
 def test_with_nothing_running_held_blocks_go_and_the_loader_searches_again_in_the_step(
