@@ -94,6 +94,10 @@ def test_plain_linear_layers_at_up_to_small_rows_take_the_kernel_and_the_rest_th
         assert torch.equal(ops.linear(layer, x[:4]), layer(x[:4]))  # above small_rows
         strided = x.t().contiguous().t()[:2]
         assert torch.equal(ops.linear(layer, strided), layer(strided))
+        transposed = nn.Linear(40, 72)  # its weight a strided view: BLAS reads it as it is
+        transposed.weight = nn.Parameter(torch.randn(40, 72).t())
+        assert torch.equal(ops.linear(transposed, x[:2, :40].contiguous()),
+                           transposed(x[:2, :40].contiguous()))
         packed = QuantizedLinear(nn.Linear(64, 32, bias=False), METHODS["int8"])
         y = torch.randn(2, 64)
         assert torch.equal(ops.linear(packed, y), packed(y))

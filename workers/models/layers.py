@@ -80,7 +80,8 @@ class CPULayerOps(LayerOps):
         """A plain linear layer (not a quantized or other one) at a few contiguous rows of its
         own dtype goes through the small-row kernel; anything else through its forward."""
         if (type(layer) is nn.Linear and x.dim() == 2 and 0 < x.shape[0] <= self.small_rows
-                and x.dtype == layer.weight.dtype and x.is_contiguous()):
+                and x.dtype == layer.weight.dtype and x.is_contiguous()
+                and layer.weight.is_contiguous()):
             return self.kernels.small_linear(x, layer.weight, layer.bias)
         return layer(x)
 
