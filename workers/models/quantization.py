@@ -19,7 +19,6 @@ inputs a multiple of 16) stays dense.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from torch import nn
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.models.crossover import Pass, last_faster
 
 INT4_GROUP = 32
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes the crossover is measured at
@@ -163,29 +163,12 @@ def measure_crossover(layers: list[QuantizedLinear], reps: int = 3,
     `CROSSOVER_ROWS` in order until dense wins (0: dense wins at one row); and each tried row
     count's best (packed, dense) ms."""
     dtype = layers[0].weight.dtype
-    times: dict[int, tuple[float, float]] = {}
-    best = 0
+
+    def passes(rows: int) -> tuple[Pass, Pass]:
+        inputs = {n: torch.randn(rows, n, dtype=dtype)
+                  for n in {layer.in_features for layer in layers}}
+        return (lambda: [q.forward_packed(inputs[q.in_features]) for q in layers],
+                lambda: [F.linear(inputs[q.in_features], q.weight) for q in layers])
+
     with torch.inference_mode():
-        for rows in CROSSOVER_ROWS:
-            inputs = {n: torch.randn(rows, n, dtype=dtype)
-                      for n in {layer.in_features for layer in layers}}
-            packed = _best_ms(layers, inputs, packed=True, reps=reps)
-            dense = _best_ms(layers, inputs, packed=False, reps=reps)
-            times[rows] = (packed, dense)
-            if packed >= dense:
-                break
-            best = rows
-    return best, times
-
-
-def _best_ms(layers: list[QuantizedLinear], inputs: dict[int, torch.Tensor], packed: bool,
-             reps: int) -> float:
-    """The best of `reps` passes over every layer (after one to warm up), in ms."""
-    out = []
-    for _ in range(reps + 1):
-        start = time.perf_counter()
-        for q in layers:
-            x = inputs[q.in_features]
-            q.forward_packed(x) if packed else F.linear(x, q.weight)
-        out.append((time.perf_counter() - start) * 1000)
-    return min(out[1:])
+        return last_faster(passes, CROSSOVER_ROWS, reps)

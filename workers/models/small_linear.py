@@ -21,26 +21,17 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from prefixserve.workers.models.crossover import Pass, last_faster
+
 log = logging.getLogger(__name__)
 
 ENV = "PREFIXSERVE_SMALL_LINEAR_ROWS"
 PROBE_BYTES = 256 << 20  # weights read per timed pass: larger than a server CPU's last cache
 PROBE_SHAPE = (3072, 576)  # one matrix: a small model's gate/up projection
-REPS = 3  # per path and row count; the fastest counts
+REPS = 3  # per path and row count, after one to warm up; the fastest counts
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor], object]
-
-
-def _fastest(linear: Linear, x: torch.Tensor, weights: list[torch.Tensor]) -> float:
-    """The fastest of REPS passes of `linear(x, w)` over every weight."""
-    best = float("inf")
-    for _ in range(REPS):
-        start = time.perf_counter()
-        for w in weights:
-            linear(x, w)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure_rows(kernel: Linear, blas: Linear, max_rows: int, dtype: torch.dtype,
@@ -50,13 +41,12 @@ def measure_rows(kernel: Linear, blas: Linear, max_rows: int, dtype: torch.dtype
     itemsize = torch.empty(0, dtype=dtype).element_size()
     count = max(1, probe_bytes // (PROBE_SHAPE[0] * PROBE_SHAPE[1] * itemsize))
     weights = [torch.full(PROBE_SHAPE, 0.01, dtype=dtype) for _ in range(count)]
-    rows = 0
-    for m in range(1, max_rows + 1):
-        x = torch.full((m, PROBE_SHAPE[1]), 0.5, dtype=dtype)
-        if _fastest(kernel, x, weights) >= _fastest(blas, x, weights):
-            break
-        rows = m
-    return rows
+
+    def passes(rows: int) -> tuple[Pass, Pass]:
+        x = torch.full((rows, PROBE_SHAPE[1]), 0.5, dtype=dtype)
+        return (lambda: [kernel(x, w) for w in weights], lambda: [blas(x, w) for w in weights])
+
+    return last_faster(passes, range(1, max_rows + 1), REPS)[0]
 
 
 def small_linear_rows(kernels: ModuleType, dtype: torch.dtype) -> int:
