@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import time
 
 import pytest
@@ -174,6 +175,19 @@ def test_bad_tables_are_refused_not_read() -> None:
         call(k=k_cache.double())
     with pytest.raises(RuntimeError, match="contiguous int64"):
         call(c=lens.int())
+
+
+def test_the_build_name_follows_every_source_and_header(tmp_path) -> None:
+    """A changed header (vec.h, which every vectorised kernel includes) is a new build, as a
+    changed source is: never a stale library under the old name."""
+    for source in build.source_files()[0].parent.iterdir():
+        shutil.copy(source, tmp_path)
+    name = build.build_name(sorted(tmp_path.glob("*.cpp")))
+    assert name == build.build_name(build.source_files())
+    for changed in ("vec.h", "small_linear.cpp"):
+        (tmp_path / changed).write_text((tmp_path / changed).read_text() + "\n// changed\n")
+        assert build.build_name(sorted(tmp_path.glob("*.cpp"))) != name
+        name = build.build_name(sorted(tmp_path.glob("*.cpp")))
 
 
 def test_a_kernel_that_cannot_build_leaves_sdpa_with_one_log_line(monkeypatch, tmp_path,

@@ -45,7 +45,7 @@ def test_the_wheel_holds_one_top_level_package(wheel: Path) -> None:
     for folder in ("router", "workers", "cluster", "bench"):
         for path in (ROOT / folder).rglob("*.py"):
             assert f"prefixserve/{path.relative_to(ROOT)}" in names, path
-    for path in (ROOT / "workers/kernels/csrc").glob("*.cpp"):  # every kernel source
+    for path in (ROOT / "workers/kernels/csrc").glob("*.[ch]*"):  # every kernel source, header
         assert f"prefixserve/{path.relative_to(ROOT)}" in names, path
     entry_points = zipfile.ZipFile(wheel).read(
         next(n for n in names if n.endswith("entry_points.txt"))).decode()

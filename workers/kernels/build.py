@@ -5,6 +5,7 @@
   (`models.layers.CPULayerOps`).
 - `small_linear.cpp`: linear layers at a decode step's few rows, one ordered pass over the
   weights (`models.layers.CPULayerOps.linear`).
+- `vec.h`: what the vectorised ones share (the vector type, widening loads, a lane sum).
 
 torch's extension builder compiles them with the host's C++ compiler for the CPU it runs on
 (`-march=native`: AVX-512 or AVX2 vectors) into `<PREFIXSERVE_CACHE>/kernels/<name>`, where
@@ -55,10 +56,13 @@ def source_files() -> list[Path]:
 
 
 def build_name(sources: list[Path]) -> str:
-    """The build's name: it changes with the sources, the flags, torch and the CPU."""
+    """The build's name: it changes with the sources (and the headers beside them), the
+    flags, torch and the CPU."""
     import torch
 
-    key = b"\0".join([*(s.read_bytes() for s in sources), " ".join(CFLAGS).encode(),
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
+    key = b"\0".join([*(s.read_bytes() for s in [*sources, *headers]),
+                      " ".join(CFLAGS).encode(),
                       torch.__version__.encode(), _cpu_flags().encode()])
     return f"prefixserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:16]}"
 

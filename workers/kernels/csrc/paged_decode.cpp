@@ -1,22 +1,11 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
 // the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
 // heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum). Accumulation is
-// in float whatever the cache's dtype. Vector width comes from ATen's Vectorized<float>, set by
-// the flags the extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+// in float whatever the cache's dtype. Vectors are vec.h's: their width is set by the flags the
+// extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
+#include "vec.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
@@ -25,35 +14,8 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t L = Vec::size();
 constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
 constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
-
-// The first n (<= L) values at p as floats; the rest of the vector is zero.
-inline Vec load(const float* p, int64_t n) { return n == L ? Vec::loadu(p) : Vec::loadu(p, n); }
-
-template <typename T>
-inline Vec load(const T* p, int64_t n) {
-  Vec out;
-  if (n == L) {
-    at::vec::load_to_float(p, out);
-  } else {
-    T tail[L] = {};
-    std::copy(p, p + n, tail);
-    at::vec::load_to_float(tail, out);
-  }
-  return out;
-}
-
-// The vector's lanes summed (DEFAULT's reduce_add does not compile in torch's headers).
-inline float sum(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return v.reduce_add();
-#else
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-#endif
-}
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;

@@ -6,20 +6,9 @@
 // U vectors at a time into M x U independent float sums, with x's M rows held in L1. bf16 on a
 // CPU with AVX512-BF16 multiplies bf16 pairs directly (twice the rows' throughput at 2 to 4 rows,
 // measured); elsewhere bf16 values are widened to float as they are loaded.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
-#define CPU_CAPABILITY AVX512
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#else
-#define CPU_CAPABILITY DEFAULT
-#endif
+#include "vec.h"
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -31,33 +20,8 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t L = Vec::size();
 constexpr int64_t MAX_ROWS = 8;
 constexpr int64_t GRAIN = 256;  // output columns per parallel task
-
-inline Vec load(const float* p, int64_t n) { return n == L ? Vec::loadu(p) : Vec::loadu(p, n); }
-
-template <typename T>
-inline Vec load(const T* p, int64_t n) {
-  Vec out;
-  if (n == L) {
-    at::vec::load_to_float(p, out);
-  } else {
-    T tail[L] = {};
-    std::copy(p, p + n, tail);
-    at::vec::load_to_float(tail, out);
-  }
-  return out;
-}
-
-inline float sum(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  return v.reduce_add();
-#else
-  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
-#endif
-}
 
 // Output column n for all M rows of x.
 template <typename T, int64_t M, int64_t U>
