@@ -22,21 +22,25 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 int64_t small_linear_max_rows();
 
+// Every kernel runs with the GIL released, as torch's own ops do: the engine steps on its own
+// thread, and the worker's event loop (streaming, health, stats) must run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  const auto no_gil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode,
         "Paged decode attention over a block-table KV cache, storing the new K/V rows first",
-        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        no_gil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("k_new") = py::none(),
         py::arg("v_new") = py::none());
   m.attr("max_head_dim") = paged_decode_max_head_dim();
   m.attr("max_heads") = paged_decode_max_heads();
   m.attr("vector_width") = vector_width();
-  m.def("rms_norm", &rms_norm, "x [rows, dim] -> RMSNorm(x) * weight, a new tensor");
+  m.def("rms_norm", &rms_norm, "x [rows, dim] -> RMSNorm(x) * weight, a new tensor", no_gil);
   m.def("add_rms_norm_", &add_rms_norm_,
-        "In place: residual += x, then x = RMSNorm(residual) * weight; returns x");
-  m.def("rope_", &rope_, "In place: RoPE on the first `heads` heads of qkv [rows, heads, dim]");
-  m.def("silu_mul", &silu_mul, "gate_up [rows, 2 I] -> silu(gate) * up [rows, I]");
+        "In place: residual += x, then x = RMSNorm(residual) * weight; returns x", no_gil);
+  m.def("rope_", &rope_, "In place: RoPE on the first `heads` heads of qkv [rows, heads, dim]",
+        no_gil);
+  m.def("silu_mul", &silu_mul, "gate_up [rows, 2 I] -> silu(gate) * up [rows, I]", no_gil);
   m.def("small_linear", &small_linear, "x [M, K] (M small), w [N, K] -> x w^T + bias [M, N]",
-        py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+        no_gil, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("small_linear_max_rows") = small_linear_max_rows();
 }
