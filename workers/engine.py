@@ -21,6 +21,7 @@ from prefixserve.router.events import KVEvent
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.checkpoints import checkpoint_fingerprint
 from prefixserve.workers.cpu_dtype import cpu_auto_dtype
+from prefixserve.workers.decode_graphs import DecodeGraphs, graphs_by_default
 from prefixserve.workers.engine_core import EngineCore, EngineRequest, check_max_model_len
 from prefixserve.workers.engine_types import (
     EngineConfig,
@@ -59,7 +60,10 @@ class LLMEngine(EngineCore):
         model_fingerprint: str,
         on_kv_events: Callable[[list[KVEvent]], None] | None = None,
         tokenizer_path: Path | None = None,
+        decode_graphs: bool | None = None,
     ) -> None:
+        """`decode_graphs`: pad decode steps to captured buckets (`workers.decode_graphs`);
+        None: on a GPU unless `config.enforce_eager`. Off a GPU the buckets run eagerly."""
         mc = model.config
         check_max_model_len(config.max_model_len, mc.max_model_len)
         weight = next(model.parameters())
@@ -75,8 +79,15 @@ class LLMEngine(EngineCore):
                          mc.max_model_len, num_blocks, on_kv_events)
         self.model = model
         self.model_config = mc
-        self.kv_cache = allocate_kv_cache(mc, num_blocks, config.block_size, self.dtype, device)
-        self.runner = ModelRunner(model, self.kv_cache, self.block_size)
+        if decode_graphs is None:
+            decode_graphs = graphs_by_default(model, device, config.enforce_eager)
+        # decode graphs pad with a block of their own: one past those the pool hands out
+        scratch = 1 if decode_graphs else 0
+        self.kv_cache = allocate_kv_cache(mc, num_blocks + scratch, config.block_size,
+                                          self.dtype, device)
+        graphs = DecodeGraphs(model, self.kv_cache, self.block_size, config.max_num_seqs,
+                              self.max_model_len, num_blocks) if decode_graphs else None
+        self.runner = ModelRunner(model, self.kv_cache, self.block_size, graphs)
         tiers = build_tiers(config, self.kv, self.kv_cache, model_fingerprint)
         if tiers is not None:
             self.attach_tiers(tiers)

@@ -58,6 +58,10 @@ class EngineConfig(BaseModel):
         "shape), int8 with a scale per output row; decode batches up to a size measured at "
         "start run torch's packed kernels, larger ones a dense copy of the same weights")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
+    enforce_eager: bool = Field(
+        False, description="Run every step op by op (vLLM's --enforce-eager); otherwise on a "
+        "GPU a decode step of up to max_num_seqs sequences and 8,192 tokens of context replays "
+        "a CUDA graph captured for its batch and context size")
     kv_offloading_size: float = Field(
         0.0, ge=0.0, description="GiB of host memory per worker for KV blocks evicted from "
         "the pool, least recently used dropped (vLLM's --kv-offloading-size); 0: none")

@@ -16,17 +16,20 @@ import numpy as np
 import torch
 
 from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.decode_graphs import DecodeGraphs
 from prefixserve.workers.lora import LoRAAdapter, LoRABatch
 from prefixserve.workers.models.base import CausalLM
 from prefixserve.workers.scheduler import SchedulerOutput, Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: CausalLM, kv_cache: torch.Tensor, block_size: int,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        self.graphs = graphs  # decode steps that fit replay from here; None: every step eager
 
     def prepare(
         self, sched: SchedulerOutput
@@ -83,6 +86,8 @@ class ModelRunner:
         sequence; None: the base model); logits [len(sampled), vocab] float32 (None when
         nothing samples)."""
         ids, positions, meta, sampled = self.prepare(sched)
+        if adapters is None and self.graphs is not None and self.graphs.fits(meta):
+            return self.graphs.run(ids, positions, meta), sampled
         lora = None if adapters is None else LoRABatch.of(adapters, sched.num_new_tokens,
                                                           self.device)
         logits = self.model(ids, positions, meta, self.kv_cache, lora)

@@ -80,6 +80,18 @@ class SDPAPlan:
             )
         return cls(decode=decode, prefills=prefill_plans(meta, block_size, dtype))
 
+    @classmethod
+    def static_decode(cls, meta: AttentionMetadata, block_size: int,
+                      dtype: torch.dtype) -> SDPAPlan:
+        """Every row one decode token over its whole block-table width, masked to its context
+        on the device: the plan a captured step can replay (`workers.decode_graphs`)."""
+        n, width = meta.block_tables.shape
+        keys = torch.arange(width * block_size, device=meta.context_lens.device)
+        allowed = keys[None, :] < meta.context_lens[:, None]
+        group = _DecodeGroup(rows=None, blocks=meta.block_tables.reshape(-1), num_blocks=width,
+                             mask=_additive(allowed, dtype).view(n, 1, 1, -1))
+        return cls(decode=[group], prefills=[])
+
 
 def prefill_plans(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> list[Prefill]:
     """Each prefill chunk's rows, and its cached blocks and causal mask where it has a prefix."""
