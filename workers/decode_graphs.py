@@ -108,7 +108,8 @@ class DecodeGraphs:
         self.rows = torch.arange(b + 1, device=self.device)
         self.scratch_block = scratch_block
         self.graphs: dict[tuple[int, int], Graph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        self.capturing = self.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
 
     def fits(self, meta: AttentionMetadata) -> bool:
         """Whether the step is all decode rows, each sampled, within the largest bucket."""
@@ -160,19 +161,17 @@ class DecodeGraphs:
         return step
 
     def _capture(self, b: int, w: int) -> Graph:
+        """The bucket's graph; off a GPU, or once a capture has failed, its step run eagerly
+        (the same buffers and padding)."""
         step = self._step(b, w)
-        if self.device.type != "cuda":
+        if not self.capturing:
             return step
-        # Warm up on a side stream first (cuBLAS workspaces, lazy inits must not be captured);
-        # the buffers hold this step's inputs, and its padding writes only the scratch block.
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        try:
+            graph, out = self._record(step)
+        except RuntimeError as exc:  # an op that cannot be captured: serve on, uncaptured
+            log.warning("capturing a decode graph failed (%s); decode steps run eagerly", exc)
+            self.capturing = False
+            return step
         log.info("captured decode graph: %d sequences, %d blocks each (%d graphs)", b, w,
                  len(self.graphs) + 1)
 
@@ -181,3 +180,18 @@ class DecodeGraphs:
             return out
 
         return replay
+
+    def _record(self, step: Graph) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture `step` into one graph of the shared pool, after a warm-up on a side stream
+        (cuBLAS workspaces and lazy inits must not be captured). The buffers hold the current
+        step's inputs, so the warm-up writes only what the replay writes again."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            step()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = step()
+        return graph, out
