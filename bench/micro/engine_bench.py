@@ -3,6 +3,7 @@
     python -m prefixserve.bench.micro.engine_bench            # the default real model, full size
     python -m prefixserve.bench.micro.engine_bench --quick    # scaled down
     python -m prefixserve.bench.micro.engine_bench --device cuda --quick   # on a GPU (bf16)
+    python -m prefixserve.bench.micro.engine_bench --device cuda --quick --enforce-eager  # eager
 
 The model is any `--model` value (default: SmolLM2-135M-Instruct, dequantized from its GGUF);
 transformers loads the same dequantized weights from the converted checkpoint directory.
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--quick", action="store_true", help="scaled-down sizes (a few minutes)")
     ap.add_argument("--skip-hf", action="store_true", help="only our engine")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no decode graphs on a GPU (the engine's enforce_eager)")
     ap.add_argument("--max-batched-tokens", type=int, default=2048)
     ap.add_argument(
         "--threads",
@@ -209,6 +212,7 @@ def main() -> None:
         kv_cache_memory_bytes=(8 * 2**30 if device.type == "cuda" else 768 * 2**20),
         max_num_seqs=64,
         max_num_batched_tokens=args.max_batched_tokens,
+        enforce_eager=args.enforce_eager,
     )
     direct_load, cached_load = load_times(args.model, config)
     note(f"load: GGUF {direct_load} s, converted directory {cached_load:.1f} s")
