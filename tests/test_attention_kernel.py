@@ -226,6 +226,8 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
     checked against torch's as tests/test_layer_ops.py checks this machine's build."""
     if "86" not in os.uname().machine:
         pytest.skip("x86 targets")
+    if arch == "haswell" and KERNEL.vector_width == width:
+        pytest.skip("this machine's own build is the AVX2 one, checked by every other test")
     monkeypatch.setattr(build, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
     kernel = build._build(f"cpu_kernels_{arch.replace('-', '_')}", build.source_files(),
                           tmp_path)

@@ -83,6 +83,7 @@ def test_greedy_through_padded_buckets_matches_transformers(llama) -> None:
     assert hit.samples[0].token_ids == results[-1].samples[0].token_ids
     assert eng.kv.num_free_blocks == eng.kv.num_total_blocks == 64
     assert eng.kv_cache.shape[2] == 65  # the scratch block, outside the pool
+    assert eng.describe_compute().endswith(", decode graphs")
 
 
 def decode_meta(contexts: list[int], tables: list[list[int]]) -> AttentionMetadata:

@@ -122,10 +122,12 @@ class LLMEngine(EngineCore):
         return engine
 
     def describe_compute(self) -> str:
-        """The dtype, attention backend and layer ops the model runs, for the worker's start-up
-        log."""
+        """The dtype, attention backend and layer ops the model runs, and whether decode steps
+        replay graphs, for the worker's start-up log."""
         dtype = str(self.model.dtype).removeprefix("torch.")
-        return f"{dtype}, attention {self.model.attention.name}, layer ops {self.model.ops.name}"
+        graphs = "" if self.runner.graphs is None else ", decode graphs"
+        return (f"{dtype}, attention {self.model.attention.name}, layer ops "
+                f"{self.model.ops.name}{graphs}")
 
     def _init_seq(self, seq: Sequence, req: EngineRequest) -> None:
         """Each sample draws from its own generator (seeded per sample index), follows its
