@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 from test_layer_ops import check_every_op
+from test_quantization import check_int4_linear
 from test_small_linear import check_small_linear
 
 from prefixserve.workers.attention import registry
@@ -223,7 +224,8 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
                                                                       tmp_path) -> None:
     """The same sources built for AVX2 (8-float vectors) and for plain x86-64 (ATen's portable
     vectors): the machines of a fleet differ, and each builds for its own CPU. The layer ops are
-    checked against torch's as tests/test_layer_ops.py checks this machine's build."""
+    checked against torch's as tests/test_layer_ops.py checks this machine's build, the
+    small-row and int4 linear layers against the dense product."""
     if "86" not in os.uname().machine:
         pytest.skip("x86 targets")
     if arch == "haswell" and KERNEL.vector_width == width:
@@ -238,3 +240,4 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
     check_every_op(kernel)
     for dtype in (torch.float32, torch.bfloat16):
         check_small_linear(kernel, dtype)
+    check_int4_linear(kernel)

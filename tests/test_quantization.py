@@ -29,16 +29,24 @@ from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models.quantization import (
     CROSSOVER_ROWS,
     INT4_GROUP,
+    INT4_KERNEL_ENV,
     METHODS,
     QuantizedLinear,
+    int4_method,
+    int4_rows_method,
     measure_crossover,
     pack_int4,
+    pack_int4_rows,
     pack_int8,
     quantize_model,
 )
+
+KERNELS = cpu_kernels()
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")
 
 
 def kernel_weight(layer: QuantizedLinear) -> torch.Tensor:
@@ -109,6 +117,53 @@ def test_the_kernel_multiplies_by_the_dense_copy(name) -> None:
     assert not torch.equal(y, ref)
 
 
+@needs_kernel
+def test_the_int4_kernel_multiplies_float_rows_by_the_dense_copy() -> None:
+    check_int4_linear(KERNELS)
+
+
+def check_int4_linear(kernels) -> None:
+    """prefixserve's int4 kernel keeps the activations' dtype: fp32 rows give the dense
+    product but for the order of its sums, at every row count (tiles of four and the rest).
+    Also run on the kernels built for narrower vectors (tests/test_attention_kernel.py)."""
+    method = int4_rows_method(kernels)
+    layer = QuantizedLinear(linear(64, 96, bias=True), method)
+    assert torch.equal(layer.weight, pack_int4(linear(64, 96).weight)[2])  # torch's levels
+    packed, scales, _ = pack_int4_rows(linear(64, 96).weight)
+    assert packed.shape == (64, 48) and scales.shape == (64, 3, 2)
+    assert layer.packed_bytes() == 64 * 48 + 64 * 3 * 2 * 4
+    for rows in (1, 3, 4, 5, 9):
+        x = torch.randn(rows, 96)
+        ref = torch.nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.allclose(layer.forward_packed(x), ref, atol=1e-5, rtol=1e-5)
+        y16 = layer.forward_packed(x.bfloat16())
+        assert y16.dtype == torch.bfloat16
+        assert torch.allclose(y16.float(), ref, atol=0.1, rtol=0.02)
+    x = torch.randn(2, 96)
+    for bad in ((x[:, :80], packed, scales), (x.half(), packed, scales),
+                (x, packed.int(), scales), (x, packed, scales.bfloat16()),
+                (x, packed[:, :40], scales), (x, packed, scales[:, :2])):
+        with pytest.raises(RuntimeError, match="int4_linear"):
+            kernels.int4_linear(*bad)
+
+
+def test_the_int4_kernel_is_pinned_or_measured(monkeypatch) -> None:
+    monkeypatch.setenv(INT4_KERNEL_ENV, "torch")
+    assert int4_method() is METHODS["int4"]
+    monkeypatch.setenv(INT4_KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="torch or prefixserve"):
+        int4_method()
+    if KERNELS is None:
+        return
+    monkeypatch.setenv(INT4_KERNEL_ENV, "prefixserve")
+    assert int4_method().kernel == "prefixserve"
+    monkeypatch.delenv(INT4_KERNEL_ENV)
+    measured = int4_method().kernel
+    assert measured in ("torch", "prefixserve") and int4_method().kernel == measured
+    line = quantize_model(tiny_model(), "int4", packed_rows=1)
+    assert f"{measured}'s kernel" in line
+
+
 def tiny_model(widths=(64, 80, 32, 24)) -> torch.nn.Module:
     """Linear layers from each width to the next (after an embedding of the first)."""
     layers = [torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)]
@@ -129,7 +184,8 @@ def test_quantize_model_swaps_the_layers_it_can_pack() -> None:
     assert "1 linear layers packed" in line and "up to 3 rows" in line
     assert "2 kept dense (it packs inputs a multiple of 32, outputs a multiple of 16)" in line
     assert torch.equal(first.weight, pack_int4(before)[2])
-    assert first.packed_bytes() == 80 * 64 // 2 + 2 * 80 * 2 * 2
+    scale_bytes = 4 if first.method.kernel == "prefixserve" else 2  # (scale, offset) a group
+    assert first.packed_bytes() == 80 * 64 // 2 + 2 * 80 * 2 * scale_bytes
     int8 = tiny_model((64, 80, 24, 7))
     line = quantize_model(int8, "int8", packed_rows=0)
     assert "2 linear layers packed" in line and "1 kept dense (it packs inputs a multiple of 16)" \
@@ -225,6 +281,26 @@ def test_packed_path_agrees_with_transformers_on_the_dequantized_weights(llama, 
     results = eng.generate(batch, params) + eng.generate(batch, params)
     assert sum(r.num_cached_tokens for r in results[len(batch):]) > 0
     assert_agrees_teacher_forced(ref, batch + batch, results)
+
+
+@needs_kernel
+def test_the_int4_kernel_path_equals_transformers_on_the_dequantized_weights(
+        llama, monkeypatch) -> None:
+    """prefixserve's int4 kernel keeps fp32 activations: its greedy tokens are transformers'
+    on the dequantized weights, exactly as the dense path's, with and without prefix hits."""
+    monkeypatch.setenv(INT4_KERNEL_ENV, "prefixserve")
+    path, model = llama
+    ref = quantized_reference(model, "int4")
+    eng = quantized_engine(path, "int4", packed_rows=64)
+    assert all(m.method.kernel == "prefixserve" for m in eng.model.modules()
+               if isinstance(m, QuantizedLinear))
+    batch = prompts(3, 9, 17, 30, start=5)
+    first = eng.generate(batch, GREEDY)
+    again = eng.generate(batch, GREEDY)
+    assert sum(r.num_cached_tokens for r in again) > 0
+    for p, a, b in zip(batch, first, again, strict=True):
+        want = hf_greedy(ref, p, 8)
+        assert a.samples[0].token_ids == want and b.samples[0].token_ids == want
 
 
 def test_quantized_kv_is_kept_apart_on_disk(tmp_path) -> None:

@@ -56,7 +56,8 @@ class EngineConfig(BaseModel):
         "none", description="Weight-only quantization of the linear layers, CPU only (vLLM's "
         "--quantization): int4 in groups of 32 with a scale and offset each (GGUF Q4_1's "
         "shape), int8 with a scale per output row; decode batches up to a size measured at "
-        "start run torch's packed kernels, larger ones a dense copy of the same weights")
+        "start run a packed kernel (for int4, prefixserve's or torch's, whichever measured "
+        "faster), larger ones a dense copy of the same weights")
     enable_prefix_caching: bool = Field(True, description="Reuse cached KV blocks of prefixes")
     enforce_eager: bool = Field(
         False, description="Run every step op by op (vLLM's --enforce-eager); otherwise on a "

@@ -5,6 +5,8 @@
   (`models.layers.CPULayerOps`).
 - `small_linear.cpp`: linear layers at a decode step's few rows, one ordered pass over the
   weights (`models.layers.CPULayerOps.linear`).
+- `int4_linear.cpp`: the same over int4 weights, with float activations
+  (`models.quantization`).
 - `vec.h`: what the vectorised ones share (the vector type, widening loads, a lane sum).
 
 torch's extension builder compiles them with the host's C++ compiler for the CPU it runs on

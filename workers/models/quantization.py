@@ -19,8 +19,13 @@ inputs a multiple of 16) stays dense.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +33,16 @@ from torch import nn
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.errors import UnsupportedModelError
+from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models.crossover import Pass, last_faster
 
+log = logging.getLogger(__name__)
+
 INT4_GROUP = 32
+INT4_KERNEL_ENV = "PREFIXSERVE_INT4_KERNEL"
+INT4_PROBE_BYTES = 64 << 20  # packed weights read per timed pass: past a server CPU's caches
+INT4_PROBE_SHAPE = (3072, 576)  # a small model's gate/up projection
+REPS = 3
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes the crossover is measured at
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed, scales, dequantized (fp32)
@@ -45,28 +57,53 @@ class Method:
     in_multiple: int
     out_multiple: int
     pack: Callable[[torch.Tensor], Packed]
-    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # bf16 x
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # y in x's dtype
+    kernel: str = "torch"  # whose packed kernel: torch's, or prefixserve's own
 
     def packs(self, layer: nn.Linear) -> bool:
         return not (layer.in_features % self.in_multiple or layer.out_features % self.out_multiple)
 
 
-def pack_int4(weight: torch.Tensor) -> Packed:
-    """Asymmetric int4 in groups of `INT4_GROUP`: each group's min and max span q = 0..15."""
+def _int4_levels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 in groups of `INT4_GROUP`: each group's min and max span q = 0..15.
+    Returns q [out, in / G, G] (floats 0..15), and each group's scale and the value q = 8
+    decodes to [out, in / G], both bf16-exact."""
     w = weight.detach().float()
     groups = w.unflatten(1, (-1, INT4_GROUP))  # [out, in / G, G]
     lo, hi = groups.amin(-1), groups.amax(-1)
     scale = ((hi - lo) / 15).clamp_min(1e-8).bfloat16().float()
-    zero = (lo + 8 * scale).bfloat16().float()  # the value q = 8 decodes to
+    zero = (lo + 8 * scale).bfloat16().float()
     q = ((groups - zero[..., None]) / scale[..., None] + 8).round_().clamp_(0, 15)
-    dense = ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
+    return q, scale, zero
+
+
+def _dense(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return ((q - 8) * scale[..., None] + zero[..., None]).flatten(1)
+
+
+def pack_int4(weight: torch.Tensor) -> Packed:
+    """torch's int4 layout: its packed tensor, and (scale, zero) per group in bf16."""
+    q, scale, zero = _int4_levels(weight)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.flatten(1).int(), 1)
     scales = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().bfloat16()
-    return packed, scales, dense
+    return packed, scales, _dense(q, scale, zero)
 
 
 def _int4_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scales)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, INT4_GROUP,
+                                                   scales)
+    return y.to(x.dtype)
+
+
+def pack_int4_rows(weight: torch.Tensor) -> Packed:
+    """prefixserve's int4 layout (`csrc/int4_linear.cpp`), the same levels as `pack_int4`'s:
+    each output's groups in order, 16 bytes each (byte i: q[i] low, q[16 + i] high), and
+    float32 (scale, offset) per group, w = q * scale + offset."""
+    q, scale, zero = _int4_levels(weight)
+    nibbles = q.to(torch.uint8)
+    packed = (nibbles[..., : INT4_GROUP // 2] | (nibbles[..., INT4_GROUP // 2 :] << 4))
+    scales = torch.stack([scale, zero - 8 * scale], dim=-1).contiguous()
+    return packed.flatten(1).contiguous(), scales, _dense(q, scale, zero)
 
 
 def pack_int8(weight: torch.Tensor) -> Packed:
@@ -78,7 +115,7 @@ def pack_int8(weight: torch.Tensor) -> Packed:
 
 
 def _int8_matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten._weight_int8pack_mm(x, packed, scales)
+    return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), packed, scales).to(x.dtype)
 
 
 METHODS: Registry[Method] = Registry("quantization", {
@@ -108,7 +145,7 @@ class QuantizedLinear(nn.Module):
         return self.forward_packed(x)
 
     def forward_packed(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.method.matmul(x.to(torch.bfloat16), self.packed, self.scales).to(x.dtype)
+        y = self.method.matmul(x, self.packed, self.scales)
         return y if self.bias is None else y.add_(self.bias)
 
     def packed_bytes(self) -> int:
@@ -122,6 +159,8 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
     packed kernels take batches of up to `packed_rows` rows; None measures where they stop
     being faster. Returns a line for the start-up log."""
     method = METHODS.lookup(name)
+    if name == "int4":
+        method = int4_method()
     device = next(model.parameters()).device
     if device.type != "cpu":
         raise UnsupportedModelError(f"quantization {name!r} runs on CPU only, not {device}")
@@ -148,8 +187,8 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
     for layer in layers:
         layer.packed_rows = packed_rows
     kept = f"; {len(dense)} kept dense (it packs {_widths(method)})" if dense else ""
-    return (f"quantization {name}: {len(layers)} linear layers packed, the kernel taking "
-            f"batches of up to {packed_rows} rows{timings}{kept}")
+    return (f"quantization {name}: {len(layers)} linear layers packed, {method.kernel}'s "
+            f"kernel taking batches of up to {packed_rows} rows{timings}{kept}")
 
 
 def _widths(method: Method) -> str:
@@ -157,7 +196,7 @@ def _widths(method: Method) -> str:
     return f"inputs a multiple of {method.in_multiple}{outs}"
 
 
-def measure_crossover(layers: list[QuantizedLinear], reps: int = 3,
+def measure_crossover(layers: list[QuantizedLinear], reps: int = REPS,
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
     """The most rows at which a pass over every layer is faster packed than dense, trying
     `CROSSOVER_ROWS` in order until dense wins (0: dense wins at one row); and each tried row
@@ -172,3 +211,54 @@ def measure_crossover(layers: list[QuantizedLinear], reps: int = 3,
 
     with torch.inference_mode():
         return last_faster(passes, CROSSOVER_ROWS, reps)
+
+
+def int4_rows_method(kernels: ModuleType) -> Method:
+    """int4 through prefixserve's kernel: float activations, weights widened in registers."""
+    def matmul(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return kernels.int4_linear(x.contiguous(), packed, scales)
+
+    return Method("int4", INT4_GROUP, 16, pack_int4_rows, matmul, "prefixserve")
+
+
+def int4_method() -> Method:
+    """The int4 kernel this process runs: `PREFIXSERVE_INT4_KERNEL` (`torch` or `prefixserve`)
+    pins it; else prefixserve's where it is faster at one row, measured once (torch's takes
+    bf16 activations, which CPUs without AVX512-BF16 or AMX emulate)."""
+    kernels = cpu_kernels()
+    pinned = os.environ.get(INT4_KERNEL_ENV, "").strip()
+    if pinned not in ("", "torch", "prefixserve"):
+        raise ValueError(f"{INT4_KERNEL_ENV} must be torch or prefixserve, not {pinned!r}")
+    if pinned == "prefixserve" and kernels is None:
+        raise RuntimeError(f"{INT4_KERNEL_ENV}=prefixserve, but the CPU kernels could not be "
+                           "built here")
+    if kernels is None or pinned == "torch":
+        return METHODS["int4"]
+    if pinned == "prefixserve" or _own_int4_faster(kernels, torch.get_num_threads()):
+        return int4_rows_method(kernels)
+    return METHODS["int4"]
+
+
+@functools.cache
+def _own_int4_faster(kernels: ModuleType, threads: int) -> bool:
+    """Both int4 kernels at one row over `INT4_PROBE_BYTES` of packed weights (random levels:
+    the time does not depend on them)."""
+    n, k = INT4_PROBE_SHAPE
+    count = max(1, INT4_PROBE_BYTES // (n * k // 2))
+    scales = torch.full((n, k // INT4_GROUP, 2), 0.01)
+    ours = [torch.randint(0, 256, (n, k // 2), dtype=torch.uint8) for _ in range(count)]
+    theirs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        torch.randint(0, 16, (n, k), dtype=torch.int32), 1) for _ in range(count)]
+    their_scales = scales.transpose(0, 1).contiguous().bfloat16()
+    x = torch.full((1, k), 0.5)
+
+    def passes(rows: int) -> tuple[Pass, Pass]:
+        return (lambda: [kernels.int4_linear(x, w, scales) for w in ours],
+                lambda: [_int4_matmul(x, w, their_scales) for w in theirs])
+
+    started = time.perf_counter()
+    faster, times = last_faster(passes, [1], REPS)
+    log.info("int4 at one row: prefixserve's kernel %.3g ms, torch's %.3g ms over %d MiB "
+             "(%d threads, measured in %.1f s)", *times[1], count * n * k // 2 >> 20, threads,
+             time.perf_counter() - started)
+    return faster == 1

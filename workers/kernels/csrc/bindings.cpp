@@ -1,5 +1,6 @@
 // The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention),
-// layer_ops.cpp (the ops between a layer's matmuls) and small_linear.cpp (matmuls at a few rows).
+// layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows) and
+// int4_linear.cpp (the same over int4 weights).
 #include <torch/extension.h>
 
 #include <optional>
@@ -22,6 +23,8 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 int64_t small_linear_max_rows();
 
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+
 // Every kernel runs with the GIL released, as torch's own ops do: the engine steps on its own
 // thread, and the worker's event loop (streaming, health, stats) must run meanwhile.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -43,4 +46,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M, K] (M small), w [N, K] -> x w^T + bias [M, N]",
         no_gil, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("small_linear_max_rows") = small_linear_max_rows();
+  m.def("int4_linear", &int4_linear,
+        "x [M, K], int4 weights packed [N, K / 2] with (scale, offset) per 32 inputs -> [M, N]",
+        no_gil, py::arg("x"), py::arg("packed"), py::arg("scales"));
 }

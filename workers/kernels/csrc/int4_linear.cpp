@@ -1,0 +1,142 @@
+// Linear layers over int4 weights at a decode step's few rows, with float activations:
+// y = x w^T for x [M, K] (float32 or bfloat16) and w = q s + c, q in 0..15, one scale s and one
+// offset c per group of 32 inputs. torch's int4 kernel takes bf16 activations, which a CPU
+// without AVX512-BF16 or AMX emulates: there it read SmolLM2's layers at 3.4 GB/s at one row
+// (docs/results.md). Here each output reads its row of packed weights once, in order: a group's
+// 16 bytes widen to 32 floats in registers, every row of x multiplies them, and the group's
+// scale and offset apply once per row: s (q . x) + c (sum of x over the group), the sums of x
+// taken once per call.
+#include "vec.h"
+
+#include <ATen/Parallel.h>
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t GROUP = 32;
+constexpr int64_t TILE = 4;  // rows per pass over the weights (more spill the sums: measured)
+constexpr int64_t GRAIN = 256;  // output columns per parallel task
+static_assert(GROUP % L == 0, "a group fills whole vectors");
+
+// A group's q values as float vectors. Byte i of its 16 holds q[i] in its low nibble and
+// q[16 + i] in its high one, so each half widens from one 16-byte register.
+inline void unpack(const uint8_t* p, Vec* q) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  const __m128i lo = _mm_and_si128(bytes, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+#if defined(CPU_CAPABILITY_AVX512)
+  q[0] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo)));
+  q[1] = Vec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi)));
+#else
+  q[0] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)));
+  q[1] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))));
+  q[2] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+  q[3] = Vec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+#endif
+#else
+  alignas(64) float f[GROUP];
+  for (int64_t i = 0; i < GROUP / 2; ++i) {
+    f[i] = static_cast<float>(p[i] & 15);
+    f[GROUP / 2 + i] = static_cast<float>(p[i] >> 4);
+  }
+  for (int64_t c = 0; c < GROUP / L; ++c) q[c] = Vec::loadu(f + c * L);
+#endif
+}
+
+// Output column n for M rows of x; `sc` holds (s, c) per group, `xsum` [M, G] the rows' sums.
+template <typename T, int64_t M>
+inline void column(const T* x, const float* xsum, const uint8_t* packed, const float* sc, T* y,
+                   int64_t n, int64_t N, int64_t K) {
+  const int64_t G = K / GROUP;
+  const uint8_t* pn = packed + n * (K / 2);
+  const float* sn = sc + n * G * 2;
+  Vec acc[M];
+  float offset[M];
+  for (int64_t m = 0; m < M; ++m) {
+    acc[m] = Vec(0.f);
+    offset[m] = 0.f;
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    Vec qv[GROUP / L];
+    unpack(pn + g * (GROUP / 2), qv);
+    const Vec s(sn[2 * g]);
+    const float off = sn[2 * g + 1];
+    for (int64_t m = 0; m < M; ++m) {
+      const T* xm = x + m * K + g * GROUP;
+      Vec t = qv[0] * load(xm, L);
+      for (int64_t c = 1; c < GROUP / L; ++c) t = at::vec::fmadd(qv[c], load(xm + c * L, L), t);
+      acc[m] = at::vec::fmadd(t, s, acc[m]);
+      offset[m] += off * xsum[m * G + g];
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) y[m * N + n] = static_cast<T>(sum(acc[m]) + offset[m]);
+}
+
+template <typename T, int64_t M>
+void tile(const T* x, const float* xsum, const uint8_t* packed, const float* sc, T* y, int64_t N,
+          int64_t K) {
+  at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) column<T, M>(x, xsum, packed, sc, y, n, N, K);
+  });
+}
+
+template <typename T>
+void run(const T* x, const uint8_t* packed, const float* sc, T* y, int64_t M, int64_t N,
+         int64_t K) {
+  const int64_t G = K / GROUP;
+  std::vector<float> xsum(M * G);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float total = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) total += static_cast<float>(x[m * K + g * GROUP + i]);
+      xsum[m * G + g] = total;
+    }
+  for (int64_t m0 = 0; m0 < M; m0 += TILE) {  // one pass over the weights per tile of rows
+    const T* xt = x + m0 * K;
+    const float* st = xsum.data() + m0 * G;
+    T* yt = y + m0 * N;
+    switch (std::min(TILE, M - m0)) {
+#define CASE(C) case C: tile<T, C>(xt, st, packed, sc, yt, N, K); break;
+      CASE(1) CASE(2) CASE(3) CASE(4)
+#undef CASE
+    }
+  }
+}
+
+}  // namespace
+
+// x [M, K] contiguous, float32 or bfloat16; packed uint8 [N, K / 2] (int4_pack's layout);
+// scales float32 [N, K / 32, 2], each group's (s, c) -> [M, N] in x's dtype.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(0) >= 1 && x.size(1) % GROUP == 0,
+              "int4_linear: x must be [M, K], contiguous, K a multiple of ", GROUP);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) == K / 2 && packed.is_contiguous() &&
+                  packed.scalar_type() == at::kByte,
+              "int4_linear: packed must be uint8 [N, K / 2], contiguous");
+  const int64_t N = packed.size(0);
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == N && scales.size(1) == K / GROUP &&
+                  scales.size(2) == 2 && scales.is_contiguous() &&
+                  scales.scalar_type() == at::kFloat,
+              "int4_linear: scales must be float32 [N, K / ", GROUP, ", 2], contiguous");
+  auto y = at::empty({M, N}, x.options());
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  const float* sc = scales.data_ptr<float>();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      run<float>(x.data_ptr<float>(), p, sc, y.data_ptr<float>(), M, N, K);
+      break;
+    case at::kBFloat16:
+      run<at::BFloat16>(x.data_ptr<at::BFloat16>(), p, sc, y.data_ptr<at::BFloat16>(), M, N, K);
+      break;
+    default: TORCH_CHECK(false, "int4_linear: unsupported dtype ", x.scalar_type());
+  }
+  return y;
+}
