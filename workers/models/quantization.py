@@ -159,11 +159,12 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
     packed kernels take batches of up to `packed_rows` rows; None measures where they stop
     being faster. Returns a line for the start-up log."""
     method = METHODS.lookup(name)
+    weight = next(model.parameters())
+    if weight.device.type != "cpu":
+        raise UnsupportedModelError(f"quantization {name!r} runs on CPU only, not "
+                                    f"{weight.device}")
     if name == "int4":
-        method = int4_method()
-    device = next(model.parameters()).device
-    if device.type != "cpu":
-        raise UnsupportedModelError(f"quantization {name!r} runs on CPU only, not {device}")
+        method = int4_method(weight.dtype)
     layers: list[QuantizedLinear] = []
     dense: list[str] = []
     for parent_name, parent in list(model.named_modules()):
@@ -221,10 +222,11 @@ def int4_rows_method(kernels: ModuleType) -> Method:
     return Method("int4", INT4_GROUP, 16, pack_int4_rows, matmul, "prefixserve")
 
 
-def int4_method() -> Method:
-    """The int4 kernel this process runs: `PREFIXSERVE_INT4_KERNEL` (`torch` or `prefixserve`)
-    pins it; else prefixserve's where it is faster at one row, measured once (torch's takes
-    bf16 activations, which CPUs without AVX512-BF16 or AMX emulate)."""
+def int4_method(dtype: torch.dtype = torch.float32) -> Method:
+    """The int4 kernel this process runs for a model in `dtype`: `PREFIXSERVE_INT4_KERNEL`
+    (`torch` or `prefixserve`) pins it; else prefixserve's where it is faster at one row,
+    measured once (torch's takes bf16 activations, which CPUs without AVX512-BF16 or AMX
+    emulate)."""
     kernels = cpu_kernels()
     pinned = os.environ.get(INT4_KERNEL_ENV, "").strip()
     if pinned not in ("", "torch", "prefixserve"):
@@ -234,15 +236,15 @@ def int4_method() -> Method:
                            "built here")
     if kernels is None or pinned == "torch":
         return METHODS["int4"]
-    if pinned == "prefixserve" or _own_int4_faster(kernels, torch.get_num_threads()):
+    if pinned == "prefixserve" or _own_int4_faster(kernels, dtype, torch.get_num_threads()):
         return int4_rows_method(kernels)
     return METHODS["int4"]
 
 
 @functools.cache
-def _own_int4_faster(kernels: ModuleType, threads: int) -> bool:
-    """Both int4 kernels at one row over `INT4_PROBE_BYTES` of packed weights (random levels:
-    the time does not depend on them)."""
+def _own_int4_faster(kernels: ModuleType, dtype: torch.dtype, threads: int) -> bool:
+    """Both int4 kernels at one row of `dtype` over `INT4_PROBE_BYTES` of packed weights
+    (random levels: the time does not depend on them)."""
     n, k = INT4_PROBE_SHAPE
     count = max(1, INT4_PROBE_BYTES // (n * k // 2))
     scales = torch.full((n, k // INT4_GROUP, 2), 0.01)
@@ -250,7 +252,7 @@ def _own_int4_faster(kernels: ModuleType, threads: int) -> bool:
     theirs = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(
         torch.randint(0, 16, (n, k), dtype=torch.int32), 1) for _ in range(count)]
     their_scales = scales.transpose(0, 1).contiguous().bfloat16()
-    x = torch.full((1, k), 0.5)
+    x = torch.full((1, k), 0.5, dtype=dtype)
 
     def passes(rows: int) -> tuple[Pass, Pass]:
         return (lambda: [kernels.int4_linear(x, w, scales) for w in ours],
@@ -258,7 +260,7 @@ def _own_int4_faster(kernels: ModuleType, threads: int) -> bool:
 
     started = time.perf_counter()
     faster, times = last_faster(passes, [1], REPS)
-    log.info("int4 at one row: prefixserve's kernel %.3g ms, torch's %.3g ms over %d MiB "
-             "(%d threads, measured in %.1f s)", *times[1], count * n * k // 2 >> 20, threads,
-             time.perf_counter() - started)
+    log.info("int4 at one %s row: prefixserve's kernel %.3g ms, torch's %.3g ms over %d MiB "
+             "(%d threads, measured in %.1f s)", str(dtype).removeprefix("torch."), *times[1],
+             count * n * k // 2 >> 20, threads, time.perf_counter() - started)
     return faster == 1
