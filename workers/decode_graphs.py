@@ -106,7 +106,6 @@ class DecodeGraphs:
         self.context_lens = buffer(b, fill=1)
         self.block_tables = buffer(b, w, fill=scratch_block)
         self.rows = torch.arange(b + 1, device=self.device)
-        self.scratch_block = scratch_block
         self.graphs: dict[tuple[int, int], Graph] = {}
         self.capturing = self.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.capturing else None
@@ -143,7 +142,7 @@ class DecodeGraphs:
         self.context_lens[:n].copy_(meta.context_lens)
         self.block_tables[:n, :width].copy_(meta.block_tables)  # past width: masked
 
-    def _step(self, b: int, w: int) -> Callable[[], torch.Tensor]:
+    def _step(self, b: int, w: int) -> Graph:
         """The bucket's forward over the static buffers: no host reads, fixed shapes."""
 
         def step() -> torch.Tensor:

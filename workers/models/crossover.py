@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterable
 
 Pass = Callable[[], object]
+REPS = 3  # timed runs per path and count, after one to warm up; the fastest counts
 
 
 def best_ms(run: Pass, reps: int) -> float:

@@ -34,7 +34,7 @@ from torch import nn
 from prefixserve.router.registry import Registry
 from prefixserve.workers.errors import UnsupportedModelError
 from prefixserve.workers.kernels.build import cpu_kernels
-from prefixserve.workers.models.crossover import Pass, last_faster
+from prefixserve.workers.models.crossover import REPS, Pass, best_ms, last_faster
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,6 @@ INT4_GROUP = 32
 INT4_KERNEL_ENV = "PREFIXSERVE_INT4_KERNEL"
 INT4_PROBE_BYTES = 64 << 20  # packed weights read per timed pass: past a server CPU's caches
 INT4_PROBE_SHAPE = (3072, 576)  # a small model's gate/up projection
-REPS = 3
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes the crossover is measured at
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed, scales, dequantized (fp32)
@@ -231,12 +230,14 @@ def int4_method(dtype: torch.dtype = torch.float32) -> Method:
     pinned = os.environ.get(INT4_KERNEL_ENV, "").strip()
     if pinned not in ("", "torch", "prefixserve"):
         raise ValueError(f"{INT4_KERNEL_ENV} must be torch or prefixserve, not {pinned!r}")
-    if pinned == "prefixserve" and kernels is None:
-        raise RuntimeError(f"{INT4_KERNEL_ENV}=prefixserve, but the CPU kernels could not be "
-                           "built here")
-    if kernels is None or pinned == "torch":
+    if pinned == "torch":
         return METHODS["int4"]
-    if pinned == "prefixserve" or _own_int4_faster(kernels, dtype, torch.get_num_threads()):
+    if kernels is None:
+        if pinned:
+            raise RuntimeError(f"{INT4_KERNEL_ENV}=prefixserve, but the CPU kernels could not "
+                               "be built here")
+        return METHODS["int4"]
+    if pinned or _own_int4_faster(kernels, dtype, torch.get_num_threads()):
         return int4_rows_method(kernels)
     return METHODS["int4"]
 
@@ -253,14 +254,10 @@ def _own_int4_faster(kernels: ModuleType, dtype: torch.dtype, threads: int) -> b
         torch.randint(0, 16, (n, k), dtype=torch.int32), 1) for _ in range(count)]
     their_scales = scales.transpose(0, 1).contiguous().bfloat16()
     x = torch.full((1, k), 0.5, dtype=dtype)
-
-    def passes(rows: int) -> tuple[Pass, Pass]:
-        return (lambda: [kernels.int4_linear(x, w, scales) for w in ours],
-                lambda: [_int4_matmul(x, w, their_scales) for w in theirs])
-
     started = time.perf_counter()
-    faster, times = last_faster(passes, [1], REPS)
+    own_ms = best_ms(lambda: [kernels.int4_linear(x, w, scales) for w in ours], REPS)
+    torch_ms = best_ms(lambda: [_int4_matmul(x, w, their_scales) for w in theirs], REPS)
     log.info("int4 at one %s row: prefixserve's kernel %.3g ms, torch's %.3g ms over %d MiB "
-             "(%d threads, measured in %.1f s)", str(dtype).removeprefix("torch."), *times[1],
-             count * n * k // 2 >> 20, threads, time.perf_counter() - started)
-    return faster == 1
+             "(%d threads, measured in %.1f s)", str(dtype).removeprefix("torch."), own_ms,
+             torch_ms, count * n * k // 2 >> 20, threads, time.perf_counter() - started)
+    return own_ms < torch_ms

@@ -21,14 +21,13 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from prefixserve.workers.models.crossover import Pass, last_faster
+from prefixserve.workers.models.crossover import REPS, Pass, last_faster
 
 log = logging.getLogger(__name__)
 
 ENV = "PREFIXSERVE_SMALL_LINEAR_ROWS"
 PROBE_BYTES = 256 << 20  # weights read per timed pass: larger than a server CPU's last cache
 PROBE_SHAPE = (3072, 576)  # one matrix: a small model's gate/up projection
-REPS = 3  # per path and row count, after one to warm up; the fastest counts
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor], object]
