@@ -4,11 +4,12 @@ can fuse them.
 
 At a decode step's few rows, torch's norm, RoPE and activation are a dozen small kernels a layer,
 each costing more to dispatch than to compute: a tenth to a sixth of a CPU decode step.
-`CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`), and a plain
+`CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`), a plain
 linear layer at a few rows through the small-row kernel where it measured faster than BLAS
-(`workers.models.small_linear`); `LayerOps` is the torch version, for every other device and
-dtype and where the kernels cannot be built. Both round where HF's Llama rounds, so they compute
-the same model.
+(`workers.models.small_linear`), and at more rows over oneDNN's packed copy of its weight where
+that measured faster than torch's linear (`workers.models.packed_linear`); `LayerOps` is the
+torch version, for every other device and dtype and where the kernels cannot be built. Both
+round where HF's Llama rounds, so they compute the same model.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from torch import nn
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.kernels.build import cpu_kernels
+from prefixserve.workers.models.packed_linear import PackedWeights, packed_weights
+from prefixserve.workers.models.packed_linear import linear as packed_linear
 from prefixserve.workers.models.small_linear import small_linear_rows
 
 if TYPE_CHECKING:
@@ -72,17 +75,24 @@ class CPULayerOps(LayerOps):
 
     name = "cpu_fused"
 
-    def __init__(self, kernels: ModuleType, small_rows: int = 0) -> None:
+    def __init__(self, kernels: ModuleType, small_rows: int = 0,
+                 packed: PackedWeights | None = None) -> None:
         self.kernels = kernels
         self.small_rows = small_rows  # linear layers at 1 to this many rows: the kernel's
+        self.packed = packed  # the rest over packed weights, where set
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A plain linear layer (not a quantized or other one) at a few contiguous rows of its
-        own dtype goes through the small-row kernel; anything else through its forward."""
-        if (type(layer) is nn.Linear and x.dim() == 2 and 0 < x.shape[0] <= self.small_rows
-                and x.dtype == layer.weight.dtype and x.is_contiguous()
+        """A plain linear layer (not a quantized or other one) at rows of its own dtype goes
+        through the small-row kernel at a few contiguous ones, over its packed weight at more
+        (where packing is on); anything else through its forward."""
+        if (type(layer) is not nn.Linear or x.dim() != 2 or x.shape[0] == 0
+                or x.dtype != layer.weight.dtype):
+            return layer(x)
+        if (x.shape[0] <= self.small_rows and x.is_contiguous()
                 and layer.weight.is_contiguous()):
             return self.kernels.small_linear(x, layer.weight, layer.bias)
+        if self.packed is not None:
+            return packed_linear(x, self.packed.of(layer), layer.bias)
         return layer(x)
 
     def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
@@ -111,7 +121,9 @@ def _cpu(dtype: torch.dtype) -> LayerOps:
     kernels = cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
     if kernels is None:
         return LayerOps()
-    return CPULayerOps(kernels, small_linear_rows(kernels, dtype))
+    packed = packed_weights(dtype)
+    return CPULayerOps(kernels, small_linear_rows(kernels, dtype, packed),
+                       PackedWeights() if packed else None)
 
 
 # Device type -> the layer ops for a model dtype there; elsewhere torch's.

@@ -4,9 +4,11 @@ At a decode step's few rows a linear layer is one pass over its weights. prefixs
 (`workers/kernels/csrc/small_linear.cpp`) reads them in order at close to the memory's rate; a
 BLAS library's small product reaches half of that or less on some CPUs, and beats the kernel on
 others as rows grow (AMX tiles, for one). Which is faster at each row count depends on the CPU,
-its BLAS and the dtype, so each process measures it once per dtype: both paths over weights far
-larger than the caches, at 1, 2, ... rows, and the kernel takes every count up to the first
-where it is not faster. ``PREFIXSERVE_SMALL_LINEAR_ROWS`` pins the count instead (0: never).
+its BLAS and the dtype, so each process measures it once per dtype: the kernel and the product
+the layers would otherwise run (torch's linear, or its packed weights where the process chose
+those: `models.packed_linear`) over weights far larger than the caches, at 1, 2, ... rows, and
+the kernel takes every count up to the first where it is not faster.
+``PREFIXSERVE_SMALL_LINEAR_ROWS`` pins the count instead (0: never).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from prefixserve.workers.models.crossover import REPS, Pass, last_faster
+from prefixserve.workers.models.packed_linear import packed_product
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +51,25 @@ def measure_rows(kernel: Linear, blas: Linear, max_rows: int, dtype: torch.dtype
     return last_faster(passes, range(1, max_rows + 1), REPS)[0]
 
 
-def small_linear_rows(kernels: ModuleType, dtype: torch.dtype) -> int:
+def small_linear_rows(kernels: ModuleType, dtype: torch.dtype, packed: bool = False) -> int:
     """The row counts (1 to this) that go through the kernel, for this process, dtype and torch
-    thread count (a linear layer's columns are split between the threads)."""
+    thread count (a linear layer's columns are split between the threads), against packed
+    weights' products where `packed`."""
     pinned = os.environ.get(ENV, "").strip()
     if pinned:
         if not pinned.isdigit():
             raise ValueError(f"{ENV} must be a whole number of rows, not {pinned!r}")
         return min(int(pinned), kernels.small_linear_max_rows)
-    return _measured(kernels, dtype, torch.get_num_threads())
+    return _measured(kernels, dtype, torch.get_num_threads(), packed)
 
 
 @functools.cache
-def _measured(kernels: ModuleType, dtype: torch.dtype, threads: int) -> int:
+def _measured(kernels: ModuleType, dtype: torch.dtype, threads: int, packed: bool) -> int:
     started = time.perf_counter()
-    rows = measure_rows(kernels.small_linear, F.linear, kernels.small_linear_max_rows, dtype,
-                        PROBE_BYTES)
-    log.info("%s linear layers at 1 to %d rows run the small-row kernel (%d threads, measured "
-             "in %.1f s)", str(dtype).removeprefix("torch."), rows, threads,
+    rows = measure_rows(kernels.small_linear, packed_product() if packed else F.linear,
+                        kernels.small_linear_max_rows, dtype, PROBE_BYTES)
+    log.info("%s linear layers at 1 to %d rows run the small-row kernel, against %s (%d "
+             "threads, measured in %.1f s)", str(dtype).removeprefix("torch."), rows,
+             "packed weights" if packed else "torch's linear", threads,
              time.perf_counter() - started)
     return rows
