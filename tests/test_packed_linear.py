@@ -17,7 +17,7 @@ from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models import packed_linear, small_linear
 from prefixserve.workers.models.layers import CPULayerOps
-from prefixserve.workers.models.packed_linear import PackedWeights, linear, pack
+from prefixserve.workers.models.packed_linear import COUNTS, PackedWeights, linear, pack
 
 KERNELS = cpu_kernels()
 needs_packing = pytest.mark.skipif(not packed_linear.available(),
@@ -48,50 +48,62 @@ def test_the_packed_product_is_x_times_w_transposed_plus_bias(dtype) -> None:
 @pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")
 def test_layers_above_the_small_rows_multiply_by_a_copy_packed_again_when_the_weight_changes(
         ) -> None:
-    ops = CPULayerOps(KERNELS, small_rows=2, packed=PackedWeights())
+    ops = CPULayerOps(KERNELS, small_rows=2, packed=PackedWeights(frozenset({2, 8, 512})))
     layer = nn.Linear(72, 40, bias=True)
-    x = torch.randn(9, 72)
+    x = torch.randn(600, 72)
     with torch.no_grad():
         assert torch.equal(ops.linear(layer, x[:2]),
                            KERNELS.small_linear(x[:2], layer.weight, layer.bias))
         copy = ops.packed.of(layer)
-        for m in (3, 9):
+        for m in (3, 9, 15, 600):  # timed as 2, 8, 8 and 512: packed
             assert torch.equal(ops.linear(layer, x[:m]), linear(x[:m], copy, layer.bias))
             torch.testing.assert_close(ops.linear(layer, x[:m]), layer(x[:m]))
+        for m in (4, 16, 511):  # timed as 4, 16 and 256: torch's linear
+            assert torch.equal(ops.linear(layer, x[:m]), layer(x[:m]))
         assert ops.packed.of(layer) is copy  # packed once while the weight stands
         strided = x.t().contiguous().t()[:4]  # rows that are not contiguous
         torch.testing.assert_close(ops.linear(layer, strided), layer(strided))
         layer.weight.mul_(2)  # written in place: the copy is stale
-        torch.testing.assert_close(ops.linear(layer, x), layer(x))
+        torch.testing.assert_close(ops.linear(layer, x[:9]), layer(x[:9]))
         assert ops.packed.of(layer) is not copy
         layer.weight = nn.Parameter(torch.randn(40, 72))  # replaced
-        torch.testing.assert_close(ops.linear(layer, x), layer(x))
+        torch.testing.assert_close(ops.linear(layer, x[:9]), layer(x[:9]))
         other = nn.Linear(72, 40).to(torch.bfloat16)  # rows of another dtype: its forward
         with pytest.raises(RuntimeError):
-            other(x)
+            other(x[:9])
         with pytest.raises(RuntimeError):
-            ops.linear(other, x)
-    assert torch.equal(CPULayerOps(KERNELS, small_rows=2).linear(layer, x), layer(x))
+            ops.linear(other, x[:9])
+    assert torch.equal(CPULayerOps(KERNELS, small_rows=2).linear(layer, x[:9]), layer(x[:9]))
+
+
+def test_a_call_takes_the_choice_timed_at_the_largest_count_not_above_its_rows() -> None:
+    assert [packed_linear.timed_count(m) for m in (1, 3, 4, 63, 64, 511, 512, 4096)] == [
+        1, 2, 4, 32, 64, 256, 512, 512]
+    weights = PackedWeights(frozenset({4, 8}))
+    assert [m for m in range(1, 20) if weights.covers(m)] == list(range(4, 16))
 
 
 def test_the_choice_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
+    every = frozenset(COUNTS) if packed_linear.available() else frozenset()
     monkeypatch.setenv(packed_linear.ENV, "1")
-    assert packed_linear.packed_weights(torch.float32) is packed_linear.available()
+    assert packed_linear.packed_counts(torch.float32) == every
     monkeypatch.setenv(packed_linear.ENV, "0")
-    assert packed_linear.packed_weights(torch.float32) is False
+    assert packed_linear.packed_counts(torch.float32) == frozenset()
     monkeypatch.setenv(packed_linear.ENV, "yes")
     with pytest.raises(ValueError, match="must be 1 \\(packed\\) or 0 \\(torch's linear\\), "
                                          "not 'yes'"):
-        packed_linear.packed_weights(torch.float32)
+        packed_linear.packed_counts(torch.float32)
     if not packed_linear.available():
         return
     monkeypatch.delenv(packed_linear.ENV)
     monkeypatch.setattr(packed_linear, "PROBE_BYTES", 1)
     packed_linear._measured.cache_clear()
     with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
-        first = packed_linear.packed_weights(torch.bfloat16)
-    assert "bfloat16 linear layers " in caplog.text and " at 32 rows " in caplog.text
-    assert packed_linear.packed_weights(torch.bfloat16) is first
+        first = packed_linear.packed_counts(torch.bfloat16)
+    assert first <= every
+    assert "bfloat16 linear layers use packed weights at " in caplog.text
+    assert "1: " in caplog.text and "512: " in caplog.text  # every count timed
+    assert packed_linear.packed_counts(torch.bfloat16) is first
     assert packed_linear._measured.cache_info().misses == 1
     packed_linear._measured.cache_clear()
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from prefixserve.router.registry import Registry
 from prefixserve.workers.kernels.build import cpu_kernels
-from prefixserve.workers.models.packed_linear import PackedWeights, packed_weights
+from prefixserve.workers.models.packed_linear import PackedWeights, packed_counts
 from prefixserve.workers.models.packed_linear import linear as packed_linear
 from prefixserve.workers.models.small_linear import small_linear_rows
 
@@ -83,15 +83,15 @@ class CPULayerOps(LayerOps):
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer (not a quantized or other one) at rows of its own dtype goes
-        through the small-row kernel at a few contiguous ones, over its packed weight at more
-        (where packing is on); anything else through its forward."""
+        through the small-row kernel at a few contiguous ones, over its packed weight at the row
+        counts where packing measured faster; anything else through its forward."""
         if (type(layer) is not nn.Linear or x.dim() != 2 or x.shape[0] == 0
                 or x.dtype != layer.weight.dtype):
             return layer(x)
         if (x.shape[0] <= self.small_rows and x.is_contiguous()
                 and layer.weight.is_contiguous()):
             return self.kernels.small_linear(x, layer.weight, layer.bias)
-        if self.packed is not None:
+        if self.packed is not None and self.packed.covers(x.shape[0]):
             return packed_linear(x, self.packed.of(layer), layer.bias)
         return layer(x)
 
@@ -121,9 +121,9 @@ def _cpu(dtype: torch.dtype) -> LayerOps:
     kernels = cpu_kernels() if dtype in (torch.float32, torch.bfloat16) else None
     if kernels is None:
         return LayerOps()
-    packed = packed_weights(dtype)
+    packed = packed_counts(dtype)
     return CPULayerOps(kernels, small_linear_rows(kernels, dtype, packed),
-                       PackedWeights() if packed else None)
+                       PackedWeights(packed) if packed else None)
 
 
 # Device type -> the layer ops for a model dtype there; elsewhere torch's.

@@ -21,10 +21,9 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from prefixserve.workers.models.crossover import REPS, Pass, last_faster
-from prefixserve.workers.models.packed_linear import packed_product
+from prefixserve.workers.models.packed_linear import product
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +50,11 @@ def measure_rows(kernel: Linear, blas: Linear, max_rows: int, dtype: torch.dtype
     return last_faster(passes, range(1, max_rows + 1), REPS)[0]
 
 
-def small_linear_rows(kernels: ModuleType, dtype: torch.dtype, packed: bool = False) -> int:
+def small_linear_rows(kernels: ModuleType, dtype: torch.dtype,
+                      packed: frozenset[int] = frozenset()) -> int:
     """The row counts (1 to this) that go through the kernel, for this process, dtype and torch
-    thread count (a linear layer's columns are split between the threads), against packed
-    weights' products where `packed`."""
+    thread count (a linear layer's columns are split between the threads), against the product
+    the layers would otherwise run: over packed weights at the `packed` row counts."""
     pinned = os.environ.get(ENV, "").strip()
     if pinned:
         if not pinned.isdigit():
@@ -64,12 +64,12 @@ def small_linear_rows(kernels: ModuleType, dtype: torch.dtype, packed: bool = Fa
 
 
 @functools.cache
-def _measured(kernels: ModuleType, dtype: torch.dtype, threads: int, packed: bool) -> int:
+def _measured(kernels: ModuleType, dtype: torch.dtype, threads: int,
+              packed: frozenset[int]) -> int:
     started = time.perf_counter()
-    rows = measure_rows(kernels.small_linear, packed_product() if packed else F.linear,
-                        kernels.small_linear_max_rows, dtype, PROBE_BYTES)
-    log.info("%s linear layers at 1 to %d rows run the small-row kernel, against %s (%d "
-             "threads, measured in %.1f s)", str(dtype).removeprefix("torch."), rows,
-             "packed weights" if packed else "torch's linear", threads,
+    rows = measure_rows(kernels.small_linear, product(packed), kernels.small_linear_max_rows,
+                        dtype, PROBE_BYTES)
+    log.info("%s linear layers at 1 to %d rows run the small-row kernel (%d threads, measured "
+             "in %.1f s)", str(dtype).removeprefix("torch."), rows, threads,
              time.perf_counter() - started)
     return rows
