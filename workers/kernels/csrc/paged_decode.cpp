@@ -1,8 +1,9 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
 // the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
-// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum). Accumulation is
-// in float whatever the cache's dtype. Vectors are vec.h's: their width is set by the flags the
-// extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
+// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum), each row asked for
+// AHEAD rows before its use. Accumulation is in float whatever the cache's dtype. Vectors are
+// vec.h's: their width is set by the flags the extension is compiled with (-march=native:
+// AVX-512, AVX2, or plain C++).
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,9 @@ namespace {
 
 constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
 constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
+// Rows asked for ahead of their use: the hardware's prefetcher alone kept a sequence's rows
+// arriving at about half the rate a plain sum reads memory (bf16 on an Intel Xeon: 5.8 GB/s).
+constexpr int64_t AHEAD = 32;
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
@@ -25,6 +29,14 @@ struct Shape {
 // `row` values (every KV head of one token).
 inline int64_t row_at(const int64_t* blocks, int64_t pos, const Shape& s, int64_t row) {
   return (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
+}
+
+// Asks for row `pos` of a cache to be brought into L1.
+template <typename T>
+inline void prefetch(const T* cache, const int64_t* blocks, int64_t pos, const Shape& s,
+                     int64_t row) {
+  const char* p = reinterpret_cast<const char*>(cache + row_at(blocks, pos, s, row));
+  for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 // One sequence: q [heads, dim] -> out [heads, dim]; scores [heads, len] and acc [heads, chunks * L]
@@ -42,6 +54,11 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   Vec x[chunks];
   for (int64_t pos = 0; pos < len; ++pos) {
     const T* k = kc + row_at(blocks, pos, s, row);
+    if (pos + AHEAD < len) {  // K's rows, then V's first ones
+      prefetch(kc, blocks, pos + AHEAD, s, row);
+    } else if (pos + AHEAD - len < len) {
+      prefetch(vc, blocks, pos + AHEAD - len, s, row);
+    }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
@@ -65,6 +82,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   std::fill(acc, acc + s.heads * chunks * L, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
     const T* v = vc + row_at(blocks, pos, s, row);
+    if (pos + AHEAD < len) prefetch(vc, blocks, pos + AHEAD, s, row);
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(v + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
