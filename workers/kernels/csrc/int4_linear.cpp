@@ -50,10 +50,11 @@ inline void unpack(const uint8_t* p, Vec* q) {
 #endif
 }
 
-// Output column n for M rows of x; `sc` holds (s, c) per group, `xsum` [M, G] the rows' sums.
+// Output column n for M rows of x (float); `sc` holds (s, c) per group, `xsum` [M, G] the rows'
+// sums.
 template <typename T, int64_t M>
-inline void column(const T* x, const float* xsum, const uint8_t* packed, const float* sc, T* y,
-                   int64_t n, int64_t N, int64_t K) {
+inline void column(const float* x, const float* xsum, const uint8_t* packed, const float* sc,
+                   T* y, int64_t n, int64_t N, int64_t K) {
   const int64_t G = K / GROUP;
   const uint8_t* pn = packed + n * (K / 2);
   const float* sn = sc + n * G * 2;
@@ -69,9 +70,9 @@ inline void column(const T* x, const float* xsum, const uint8_t* packed, const f
     const Vec s(sn[2 * g]);
     const float off = sn[2 * g + 1];
     for (int64_t m = 0; m < M; ++m) {
-      const T* xm = x + m * K + g * GROUP;
-      Vec t = qv[0] * load(xm, L);
-      for (int64_t c = 1; c < GROUP / L; ++c) t = at::vec::fmadd(qv[c], load(xm + c * L, L), t);
+      const float* xm = x + m * K + g * GROUP;
+      Vec t = qv[0] * Vec::loadu(xm);
+      for (int64_t c = 1; c < GROUP / L; ++c) t = at::vec::fmadd(qv[c], Vec::loadu(xm + c * L), t);
       acc[m] = at::vec::fmadd(t, s, acc[m]);
       offset[m] += off * xsum[m * G + g];
     }
@@ -80,26 +81,28 @@ inline void column(const T* x, const float* xsum, const uint8_t* packed, const f
 }
 
 template <typename T, int64_t M>
-void tile(const T* x, const float* xsum, const uint8_t* packed, const float* sc, T* y, int64_t N,
-          int64_t K) {
+void tile(const float* x, const float* xsum, const uint8_t* packed, const float* sc, T* y,
+          int64_t N, int64_t K) {
   at::parallel_for(0, N, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) column<T, M>(x, xsum, packed, sc, y, n, N, K);
   });
 }
 
+// x is copied as float once per call: bf16 rows widened inside the loop over the weights' columns
+// cost a third more at one row (29.1 against 21.7 ms over 63 MiB on an AVX-512 CPU).
 template <typename T>
 void run(const T* x, const uint8_t* packed, const float* sc, T* y, int64_t M, int64_t N,
          int64_t K) {
   const int64_t G = K / GROUP;
-  std::vector<float> xsum(M * G);
+  std::vector<float> xf(x, x + M * K), xsum(M * G);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float total = 0.f;
-      for (int64_t i = 0; i < GROUP; ++i) total += static_cast<float>(x[m * K + g * GROUP + i]);
+      for (int64_t i = 0; i < GROUP; ++i) total += xf[m * K + g * GROUP + i];
       xsum[m * G + g] = total;
     }
   for (int64_t m0 = 0; m0 < M; m0 += TILE) {  // one pass over the weights per tile of rows
-    const T* xt = x + m0 * K;
+    const float* xt = xf.data() + m0 * K;
     const float* st = xsum.data() + m0 * G;
     T* yt = y + m0 * N;
     switch (std::min(TILE, M - m0)) {
