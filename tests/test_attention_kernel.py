@@ -16,7 +16,7 @@ from test_layer_ops import check_every_op
 from test_quantization import check_int4_linear
 from test_small_linear import check_small_linear
 
-from prefixserve.workers.attention import registry
+from prefixserve.workers.attention import kv_prefetch, registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
@@ -146,6 +146,50 @@ def test_a_head_too_large_for_the_kernel_is_served_by_sdpa() -> None:
     got = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.1)
     want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.1)
     assert torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_asking_for_rows_ahead_changes_no_value(dtype) -> None:
+    """Prefetching reads nothing into the result: any distance, shorter or longer than the
+    sequences (so that it runs into V's rows and the next sequence's K), gives the same bits,
+    and the cache the same stored rows."""
+    step = ([1, 5, BS, 2 * BS + 3, 70], 9, 3, 64, dtype)
+    outs = []
+    for ahead in (0, 1, 4, 32, 1000):
+        q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
+        out = KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                  0.125, k, v, ahead)
+        outs.append((out, k_cache, v_cache))
+    for out, k_cache, v_cache in outs[1:]:
+        assert torch.equal(out, outs[0][0])
+        assert torch.equal(k_cache, outs[0][1]) and torch.equal(v_cache, outs[0][2])
+    with pytest.raises(RuntimeError, match="ahead must be >= 0, not -1"):
+        KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
+                            None, None, -1)
+
+
+@needs_kernel
+def test_the_prefetch_distance_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(kv_prefetch.ENV, "7")
+    assert kv_prefetch.prefetch_rows(KERNEL, torch.float32) == 7
+    monkeypatch.setenv(kv_prefetch.ENV, "0")
+    backend = CPUPagedBackend(KERNEL)
+    backend.prepare(torch.float32)
+    assert backend.ahead == {torch.float32: 0}
+    monkeypatch.setenv(kv_prefetch.ENV, "far")
+    with pytest.raises(ValueError, match="whole number of rows, not 'far'"):
+        kv_prefetch.prefetch_rows(KERNEL, torch.float32)
+    monkeypatch.delenv(kv_prefetch.ENV)
+    monkeypatch.setattr(kv_prefetch, "PROBE_BYTES", 1)
+    kv_prefetch._measured.cache_clear()
+    with caplog.at_level(logging.INFO, logger=kv_prefetch.__name__):
+        first = kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16)
+    assert first in (0, kv_prefetch.AHEAD)
+    assert f"bfloat16 paged decode asks for K/V rows {first} ahead" in caplog.text
+    assert kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16) == first
+    assert kv_prefetch._measured.cache_info().misses == 1
+    kv_prefetch._measured.cache_clear()
 
 
 @needs_kernel

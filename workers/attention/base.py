@@ -20,6 +20,10 @@ class AttentionBackend(ABC):
 
     name: str  # as PREFIXSERVE_ATTENTION_BACKEND names it, and as the worker's start-up log says
 
+    def prepare(self, dtype: torch.dtype) -> None:  # noqa: B027 (most backends need nothing)
+        """What the backend measures or builds for the model's dtype, done at start rather than
+        in the first step."""
+
     @abstractmethod
     def forward(
         self,

@@ -130,14 +130,15 @@ class LlamaForCausalLM(CausalLM):
         self.finish_init()
 
     def finish_init(self) -> None:
-        """Tie embeddings, pick the attention backend and compute RoPE frequencies for the
-        parameters' device."""
+        """Tie embeddings, pick (and prepare) the attention backend and compute RoPE frequencies
+        for the parameters' device."""
         device = self.embed_tokens.weight.device
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.attention = backend_for(device)
         self.ops = layer_ops_for(device, self.dtype)
         if device.type != "meta":
+            self.attention.prepare(self.dtype)
             self.inv_freq = rope_inv_freq(self.config).to(device)
 
     @property

@@ -8,7 +8,7 @@
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new);
+                        const std::optional<at::Tensor>& v_new, int64_t ahead);
 int64_t paged_decode_max_head_dim();
 int64_t paged_decode_max_heads();
 int64_t vector_width();
@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over a block-table KV cache, storing the new K/V rows first",
         no_gil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("k_new") = py::none(),
-        py::arg("v_new") = py::none());
+        py::arg("v_new") = py::none(), py::arg("ahead") = 0);
   m.attr("max_head_dim") = paged_decode_max_head_dim();
   m.attr("max_heads") = paged_decode_max_heads();
   m.attr("vector_width") = vector_width();

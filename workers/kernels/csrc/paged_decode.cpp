@@ -1,9 +1,12 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
 // the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
-// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum), each row asked for
-// AHEAD rows before its use. Accumulation is in float whatever the cache's dtype. Vectors are
-// vec.h's: their width is set by the flags the extension is compiled with (-march=native:
-// AVX-512, AVX2, or plain C++).
+// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum). With `ahead` > 0
+// each row is asked for that many rows before its use: K's rows, then V's, then the next
+// sequence's K (on an Intel Xeon the hardware's prefetcher alone kept the rows arriving at about
+// half the rate a plain sum reads memory; on an AMD EPYC asking ahead was slower: the caller
+// measures which). Accumulation is in float whatever the cache's dtype. Vectors are vec.h's:
+// their width is set by the flags the extension is compiled with (-march=native: AVX-512, AVX2,
+// or plain C++).
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -17,9 +20,6 @@ namespace {
 
 constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
 constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
-// Rows asked for ahead of their use: the hardware's prefetcher alone kept a sequence's rows
-// arriving at about half the rate a plain sum reads memory (bf16 on an Intel Xeon: 5.8 GB/s).
-constexpr int64_t AHEAD = 32;
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
@@ -40,10 +40,12 @@ inline void prefetch(const T* cache, const int64_t* blocks, int64_t pos, const S
 }
 
 // One sequence: q [heads, dim] -> out [heads, dim]; scores [heads, len] and acc [heads, chunks * L]
-// are the calling thread's scratch.
+// are the calling thread's scratch; the next sequence's table and length (or null and 0) say
+// whose rows to ask for once this one's have all been.
 template <typename T, int64_t chunks, bool exact>
 void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const T* q,
-            float scale, T* out, const Shape& s, float* scores, float* acc) {
+            float scale, T* out, const Shape& s, float* scores, float* acc, int64_t ahead,
+            const int64_t* next_blocks, int64_t next_len) {
   const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
   const int64_t last = s.dim - (chunks - 1) * L;
   auto width = [&](int64_t c) { return exact || c < chunks - 1 ? L : last; };
@@ -54,10 +56,10 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   Vec x[chunks];
   for (int64_t pos = 0; pos < len; ++pos) {
     const T* k = kc + row_at(blocks, pos, s, row);
-    if (pos + AHEAD < len) {  // K's rows, then V's first ones
-      prefetch(kc, blocks, pos + AHEAD, s, row);
-    } else if (pos + AHEAD - len < len) {
-      prefetch(vc, blocks, pos + AHEAD - len, s, row);
+    if (ahead > 0 && pos + ahead < len) {  // K's rows, then V's first ones
+      prefetch(kc, blocks, pos + ahead, s, row);
+    } else if (ahead > 0 && pos + ahead - len < len) {
+      prefetch(vc, blocks, pos + ahead - len, s, row);
     }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
@@ -82,7 +84,11 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   std::fill(acc, acc + s.heads * chunks * L, 0.f);
   for (int64_t pos = 0; pos < len; ++pos) {
     const T* v = vc + row_at(blocks, pos, s, row);
-    if (pos + AHEAD < len) prefetch(vc, blocks, pos + AHEAD, s, row);
+    if (ahead > 0 && pos + ahead < len) {  // V's rows, then the next sequence's first K rows
+      prefetch(vc, blocks, pos + ahead, s, row);
+    } else if (ahead > 0 && pos + ahead - len < next_len) {
+      prefetch(kc, next_blocks, pos + ahead - len, s, row);
+    }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       for (int64_t c = 0; c < chunks; ++c) x[c] = load(v + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
@@ -124,7 +130,7 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
          double scale, const std::optional<at::Tensor>& k_new,
-         const std::optional<at::Tensor>& v_new) {
+         const std::optional<at::Tensor>& v_new, int64_t ahead) {
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1)};
   const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L, row = s.kv_heads * s.dim;
   const int64_t q_step = row_stride(q, s.heads, s.dim, "q");
@@ -161,8 +167,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
         std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
       }
+      const bool more = i + 1 < end;
       attend_any<T>(s.dim, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
-                    op + i * s.heads * s.dim, s, scores.data(), acc.data());
+                    op + i * s.heads * s.dim, s, scores.data(), acc.data(), ahead,
+                    more ? blocks + s.table_width : nullptr, more ? lens[i + 1] : int64_t(0));
     }
   });
 }
@@ -172,11 +180,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // q [n, heads, dim] (each row's heads contiguous); caches [num_blocks, block_size, kv_heads, dim];
 // block_tables [n, width] int64; context_lens [n] int64, each >= 1. With k_new and v_new
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
-// last position (context_lens - 1). Returns [n, heads, dim] in q's dtype, contiguous.
+// last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none).
+// Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new) {
+                        const std::optional<at::Tensor>& v_new, int64_t ahead) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode: the caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -188,6 +197,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
                   q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "paged_decode: unsupported head layout");
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode: k_new and v_new go together");
+  TORCH_CHECK(ahead >= 0, "paged_decode: ahead must be >= 0, not ", ahead);
   if (k_new) {
     TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
                     k_new->size(0) == q.size(0) && v_new->size(0) == q.size(0),
@@ -197,10 +207,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   if (q.size(0) == 0) return out;
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new);
+      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new, ahead);
       break;
     case at::kBFloat16:
-      run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new);
+      run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new,
+                            ahead);
       break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
