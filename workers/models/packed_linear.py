@@ -115,8 +115,8 @@ def _measured(dtype: torch.dtype, threads: int) -> frozenset[int]:
     packed = product(frozenset(COUNTS))
     faster, times = set(), []
     for rows in COUNTS:
-        # past 32 rows the product is arithmetic-bound: fewer weights time it as well
-        some = weights[:max(1, len(weights) * ROWS_HINT // max(rows, ROWS_HINT))]
+        # past 32 rows the product is arithmetic-bound: a few weights time it as well
+        some = weights if rows <= ROWS_HINT else weights[:max(1, len(weights) * 8 // rows)]
         x = torch.full((rows, PROBE_SHAPE[1]), 0.5, dtype=dtype)
         packed_ms = best_ms(lambda: [packed(x, w) for w in some], REPS)  # noqa: B023
         torch_ms = best_ms(lambda: [F.linear(x, w) for w in some], REPS)  # noqa: B023
