@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 ENV = "PREFIXSERVE_KV_PREFETCH_ROWS"
 AHEAD = 32  # rows: 12 KB of a small model's bf16 K/V
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
-PROBE = (32, 576, 3, 64, 16)  # sequences, tokens each, KV heads, head size, block size
+PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
 
 
 def prefetch_rows(kernel: ModuleType, dtype: torch.dtype) -> int:
@@ -41,14 +41,14 @@ def prefetch_rows(kernel: ModuleType, dtype: torch.dtype) -> int:
 @functools.cache
 def _measured(kernel: ModuleType, dtype: torch.dtype, threads: int) -> int:
     started = time.perf_counter()
-    seqs, tokens, kv_heads, dim, block = PROBE
+    seqs, tokens, heads, kv_heads, dim, block = PROBE
     shape = (seqs * tokens // block, block, kv_heads, dim)
     layer_bytes = 2 * seqs * tokens * kv_heads * dim * torch.empty(0, dtype=dtype).element_size()
     caches = [(torch.full(shape, 0.01, dtype=dtype), torch.full(shape, 0.01, dtype=dtype))
               for _ in range(max(1, PROBE_BYTES // layer_bytes))]
     tables = torch.arange(shape[0]).reshape(seqs, -1)  # each sequence's blocks adjacent, rising
     lens = torch.full((seqs,), tokens)
-    q = torch.full((seqs, 3 * kv_heads, dim), 0.01, dtype=dtype)
+    q = torch.full((seqs, heads, dim), 0.01, dtype=dtype)
 
     def run(ahead: int) -> None:
         for k, v in caches:

@@ -79,7 +79,7 @@ class CPULayerOps(LayerOps):
                  packed: PackedWeights | None = None) -> None:
         self.kernels = kernels
         self.small_rows = small_rows  # linear layers at 1 to this many rows: the kernel's
-        self.packed = packed  # the rest over packed weights, where set
+        self.packed = packed  # more rows over packed weights, at the counts it covers
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer (not a quantized or other one) at rows of its own dtype goes

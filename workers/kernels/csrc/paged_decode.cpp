@@ -211,7 +211,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
       break;
     case at::kBFloat16:
       run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new,
-                            ahead);
+                        ahead);
       break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }
