@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_layer_ops import check_every_op
 from test_quantization import check_int4_linear
-from test_small_linear import check_small_linear
+from test_small_linear import check_small_linear, measured_once
 
 from prefixserve.workers.attention import kv_prefetch, registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
@@ -180,16 +180,11 @@ def test_the_prefetch_distance_is_pinned_or_measured_once(monkeypatch, caplog) -
     monkeypatch.setenv(kv_prefetch.ENV, "far")
     with pytest.raises(ValueError, match="whole number of rows, not 'far'"):
         kv_prefetch.prefetch_rows(KERNEL, torch.float32)
-    monkeypatch.delenv(kv_prefetch.ENV)
-    monkeypatch.setattr(kv_prefetch, "PROBE_BYTES", 1)
-    kv_prefetch._measured.cache_clear()
     with caplog.at_level(logging.INFO, logger=kv_prefetch.__name__):
-        first = kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16)
+        first = measured_once(monkeypatch, kv_prefetch,
+                              lambda: kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16))
     assert first in (0, kv_prefetch.AHEAD)
     assert f"bfloat16 paged decode asks for K/V rows {first} ahead" in caplog.text
-    assert kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16) == first
-    assert kv_prefetch._measured.cache_info().misses == 1
-    kv_prefetch._measured.cache_clear()
 
 
 @needs_kernel

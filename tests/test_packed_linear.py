@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 from test_engine import GREEDY, hf_greedy, prompts, write_checkpoint
-from test_small_linear import reference
+from test_small_linear import measured_once, reference
 from torch import nn
 
 from prefixserve.workers.engine import LLMEngine
@@ -95,17 +95,12 @@ def test_the_choice_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
         packed_linear.packed_counts(torch.float32)
     if not packed_linear.available():
         return
-    monkeypatch.delenv(packed_linear.ENV)
-    monkeypatch.setattr(packed_linear, "PROBE_BYTES", 1)
-    packed_linear._measured.cache_clear()
     with caplog.at_level(logging.INFO, logger=packed_linear.__name__):
-        first = packed_linear.packed_counts(torch.bfloat16)
+        first = measured_once(monkeypatch, packed_linear,
+                              lambda: packed_linear.packed_counts(torch.bfloat16))
     assert first <= every
     assert "bfloat16 linear layers use packed weights at " in caplog.text
     assert "1: " in caplog.text and "512: " in caplog.text  # every count timed
-    assert packed_linear.packed_counts(torch.bfloat16) is first
-    assert packed_linear._measured.cache_info().misses == 1
-    packed_linear._measured.cache_clear()
 
 
 @needs_packing

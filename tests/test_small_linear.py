@@ -131,12 +131,22 @@ def test_the_row_count_can_be_pinned_and_is_measured_once(monkeypatch) -> None:
     monkeypatch.setenv(small_linear.ENV, "few")
     with pytest.raises(ValueError, match="whole number of rows, not 'few'"):
         small_linear.small_linear_rows(KERNELS, torch.float32)
-    monkeypatch.delenv(small_linear.ENV)
-    monkeypatch.setattr(small_linear, "PROBE_BYTES", 1)
-    small_linear._measured.cache_clear()
-    first = small_linear.small_linear_rows(KERNELS, torch.float32)
+    first = measured_once(monkeypatch, small_linear,
+                          lambda: small_linear.small_linear_rows(KERNELS, torch.float32))
     assert 0 <= first <= KERNELS.small_linear_max_rows
-    assert small_linear._measured.cache_info().misses == 1
-    assert small_linear.small_linear_rows(KERNELS, torch.float32) == first
-    assert small_linear._measured.cache_info().hits == 1
-    small_linear._measured.cache_clear()
+
+
+def measured_once(monkeypatch, module, choose):
+    """`choose()` with `module`'s pin (`ENV`) unset and its probe (`PROBE_BYTES`) cut to the
+    least: the first call measures, the second takes the cached choice. Returns the first."""
+    monkeypatch.delenv(module.ENV, raising=False)
+    monkeypatch.setattr(module, "PROBE_BYTES", 1)
+    module._measured.cache_clear()
+    try:
+        first = choose()
+        assert module._measured.cache_info().misses == 1
+        assert choose() == first
+        assert module._measured.cache_info().hits == 1
+    finally:
+        module._measured.cache_clear()
+    return first
