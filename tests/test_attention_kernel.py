@@ -178,7 +178,10 @@ def test_the_prefetch_distance_is_pinned_or_measured_once(monkeypatch, caplog) -
     backend.prepare(torch.float32)
     assert backend.ahead == {torch.float32: 0}
     monkeypatch.setenv(kv_prefetch.ENV, "far")
-    with pytest.raises(ValueError, match="whole number of rows, not 'far'"):
+    with pytest.raises(ValueError, match="whole number of rows up to 1048576, not 'far'"):
+        kv_prefetch.prefetch_rows(KERNEL, torch.float32)
+    monkeypatch.setenv(kv_prefetch.ENV, "99999999999999999999")
+    with pytest.raises(ValueError, match="up to 1048576, not '99999999999999999999'"):
         kv_prefetch.prefetch_rows(KERNEL, torch.float32)
     with caplog.at_level(logging.INFO, logger=kv_prefetch.__name__):
         first = measured_once(monkeypatch, kv_prefetch,

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 ENV = "PREFIXSERVE_KV_PREFETCH_ROWS"
 AHEAD = 32  # rows: 12 KB of a small model's bf16 K/V
+MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
 PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
 
@@ -32,8 +33,9 @@ def prefetch_rows(kernel: ModuleType, dtype: torch.dtype) -> int:
     """The rows the kernel asks for ahead of their use in `dtype` caches (0: none)."""
     pinned = os.environ.get(ENV, "").strip()
     if pinned:
-        if not pinned.isdigit():
-            raise ValueError(f"{ENV} must be a whole number of rows, not {pinned!r}")
+        if not pinned.isdigit() or int(pinned) > MAX_PINNED:
+            raise ValueError(f"{ENV} must be a whole number of rows up to {MAX_PINNED}, not "
+                             f"{pinned!r}")
         return int(pinned)
     return _measured(kernel, dtype, torch.get_num_threads())
 

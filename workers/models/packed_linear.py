@@ -14,6 +14,7 @@ torch's linear).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import os
@@ -54,8 +55,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def timed_count(rows: int) -> int:
-    """The largest timed count not above `rows` (>= 1), whose choice a call of `rows` takes."""
-    return max(c for c in COUNTS if c <= rows)
+    """The largest timed count not above `rows` (>= 1), whose choice a call of `rows` takes
+    (a bisection: every linear layer's call asks)."""
+    return COUNTS[bisect.bisect_right(COUNTS, rows) - 1]
 
 
 class PackedWeights:
