@@ -4,6 +4,7 @@ decode rows mixed with prefill chunks, and bad tables refused rather than read."
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -16,8 +17,9 @@ from test_layer_ops import check_every_op
 from test_quantization import check_int4_linear
 from test_small_linear import check_small_linear, measured_once
 
-from prefixserve.workers.attention import kv_prefetch, registry
+from prefixserve.workers.attention import kv_reads, registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
+from prefixserve.workers.attention.kv_reads import KVReads
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend
 from prefixserve.workers.kernels import build
@@ -61,20 +63,31 @@ def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
     return q, k, v, k_cache, v_cache, meta, tables
 
 
+READS = [KVReads(0, False, tiles, v_rows) for tiles in (False, True) for v_rows in kv_reads.V_ROWS]
+
+
 @needs_kernel
+@pytest.mark.parametrize("reads", READS, ids=str)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 24), (12, 3, 16),
                                            (4, 1, 128), (2, 2, 72)])
-def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim) -> None:
+def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim, reads) -> None:
+    """Every head layout, each way of summing scores and adding up V, contexts around block
+    and tile ends."""
     assert_matches_referee(KERNEL, [1, BS - 1, BS, BS + 1, 3 * BS + 5, 100], heads, kvh, dim,
-                           dtype, tol)
+                           dtype, tol, reads)
 
 
-def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol) -> None:
-    """A decode step through the backend on `kernel`, each row against the float64 referee."""
+def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
+                           reads: KVReads | None = None) -> None:
+    """A decode step through the backend on `kernel` (reading K/V as `reads` says, else as
+    measured), each row against the float64 referee."""
     q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
     scale = 1 / math.sqrt(dim)
-    out = CPUPagedBackend(kernel).forward(q, k, v, k_cache, v_cache, meta, scale)
+    backend = CPUPagedBackend(kernel)
+    if reads is not None:
+        backend.reads[dtype] = reads
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
     assert out.shape == (len(ctx_lens), heads * dim) and out.dtype == dtype
     for i, ctx in enumerate(ctx_lens):
         want = referee(q[i], k_cache, v_cache, tables[i], ctx, scale)
@@ -149,17 +162,18 @@ def test_a_head_too_large_for_the_kernel_is_served_by_sdpa() -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("reads", READS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_asking_for_rows_ahead_changes_no_value(dtype) -> None:
+def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
     """Prefetching reads nothing into the result: any distance, shorter or longer than the
-    sequences (so that it runs into V's rows and the next sequence's K), gives the same bits,
-    and the cache the same stored rows."""
+    sequences (so that it runs into V's rows and the next sequence's K), with either hint,
+    gives the same bits, and the cache the same stored rows."""
     step = ([1, 5, BS, 2 * BS + 3, 70], 9, 3, 64, dtype)
     outs = []
-    for ahead in (0, 1, 4, 32, 1000):
+    for ahead, once in [(0, False), (1, False), (4, True), (32, False), (32, True), (1000, True)]:
         q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
         out = KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                  0.125, k, v, ahead)
+                                  0.125, k, v, ahead, once, reads.score_tiles, reads.v_rows)
         outs.append((out, k_cache, v_cache))
     for out, k_cache, v_cache in outs[1:]:
         assert torch.equal(out, outs[0][0])
@@ -167,27 +181,51 @@ def test_asking_for_rows_ahead_changes_no_value(dtype) -> None:
     with pytest.raises(RuntimeError, match="ahead must be >= 0, not -1"):
         KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
                             None, None, -1)
+    with pytest.raises(RuntimeError, match="v_rows must be 1 or 4, not 2"):
+        KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
+                            None, None, 0, False, False, 2)
 
 
 @needs_kernel
-def test_the_prefetch_distance_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
-    monkeypatch.setenv(kv_prefetch.ENV, "7")
-    assert kv_prefetch.prefetch_rows(KERNEL, torch.float32) == 7
-    monkeypatch.setenv(kv_prefetch.ENV, "0")
+def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
+    monkeypatch.setenv(kv_reads.AHEAD_ENV, "7")
+    monkeypatch.setenv(kv_reads.HINT_ENV, "nta")
+    monkeypatch.setenv(kv_reads.TILES_ENV, "1")
+    monkeypatch.setenv(kv_reads.V_ROWS_ENV, "4")
+    assert kv_reads.kv_reads(KERNEL, torch.float32) == KVReads(7, True, True, 4)
+    monkeypatch.setenv(kv_reads.AHEAD_ENV, "0")  # nothing ahead: the hint is moot
+    monkeypatch.setenv(kv_reads.TILES_ENV, "0")
+    monkeypatch.setenv(kv_reads.V_ROWS_ENV, "1")
+    monkeypatch.delenv(kv_reads.HINT_ENV)
     backend = CPUPagedBackend(KERNEL)
     backend.prepare(torch.float32)
-    assert backend.ahead == {torch.float32: 0}
-    monkeypatch.setenv(kv_prefetch.ENV, "far")
-    with pytest.raises(ValueError, match="whole number of rows up to 1048576, not 'far'"):
-        kv_prefetch.prefetch_rows(KERNEL, torch.float32)
-    monkeypatch.setenv(kv_prefetch.ENV, "99999999999999999999")
-    with pytest.raises(ValueError, match="up to 1048576, not '99999999999999999999'"):
-        kv_prefetch.prefetch_rows(KERNEL, torch.float32)
-    with caplog.at_level(logging.INFO, logger=kv_prefetch.__name__):
-        first = measured_once(monkeypatch, kv_prefetch,
-                              lambda: kv_prefetch.prefetch_rows(KERNEL, torch.bfloat16))
-    assert first in (0, kv_prefetch.AHEAD)
-    assert f"bfloat16 paged decode asks for K/V rows {first} ahead" in caplog.text
+    assert backend.reads == {torch.float32: KVReads(0, False, False, 1)}
+    for env, value, error in [
+            (kv_reads.AHEAD_ENV, "far", "whole number of rows up to 1048576, not 'far'"),
+            (kv_reads.AHEAD_ENV, "99999999999999999999", "not '99999999999999999999'"),
+            (kv_reads.HINT_ENV, "t1", "must be one of t0, nta, not 't1'"),
+            (kv_reads.TILES_ENV, "yes", r"must be 1 \(tiles\) or 0 \(per position\), not 'yes'"),
+            (kv_reads.V_ROWS_ENV, "2", "must be one of 1, 4, not '2'")]:
+        with monkeypatch.context() as m:
+            m.setenv(env, value)
+            with pytest.raises(ValueError, match=error):
+                kv_reads.kv_reads(KERNEL, torch.float32)
+    with caplog.at_level(logging.INFO, logger=kv_reads.__name__):  # V rows alone timed
+        monkeypatch.delenv(kv_reads.V_ROWS_ENV)
+        monkeypatch.setattr(kv_reads, "PROBE_BYTES", 1)
+        kv_reads._measured.cache_clear()
+        assert kv_reads.kv_reads(KERNEL, torch.float32).ahead == 0
+        assert "ms with none ahead, row scores, 1 V rows, " in caplog.text
+        assert "ms with none ahead, row scores, 4 V rows; " in caplog.text
+        assert "32 ahead" not in caplog.text and "score tiles" not in caplog.text
+        first = measured_once(monkeypatch, kv_reads,
+                              lambda: kv_reads.kv_reads(KERNEL, torch.bfloat16))
+    assert first in {KVReads(a, o and a > 0, t, v) for a in kv_reads.AHEADS for o in (False, True)
+                     for t in (False, True) for v in kv_reads.V_ROWS}
+    assert f"bfloat16 paged decode reads K/V with {first}: " in caplog.text
+    assert "32 ahead (nta), score tiles, 4 V rows" in caplog.text
+    assert "32 ahead (t0), row scores, 1 V rows" in caplog.text
+    assert caplog.text.count(" ms with ") == 2 + 12  # each choice timed once, none ahead once
 
 
 @needs_kernel
@@ -261,24 +299,29 @@ def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch)
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8)])
+@pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8), ("skylake-avx512", 16)])
 def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width, monkeypatch,
                                                                       tmp_path) -> None:
-    """The same sources built for AVX2 (8-float vectors) and for plain x86-64 (ATen's portable
-    vectors): the machines of a fleet differ, and each builds for its own CPU. The layer ops are
+    """The same sources built for AVX2 (8-float vectors), for plain x86-64 (ATen's portable
+    vectors) and for AVX-512 without AVX512-BF16: the machines of a fleet differ, and each builds
+    for its own CPU. The layer ops are
     checked against torch's as tests/test_layer_ops.py checks this machine's build, the
     small-row and int4 linear layers against the dense product."""
     if "86" not in os.uname().machine:
         pytest.skip("x86 targets")
     if arch == "haswell" and KERNEL.vector_width == width:
         pytest.skip("this machine's own build is the AVX2 one, checked by every other test")
+    if width == 16 and "avx512f" not in build._cpu_flags().split():
+        pytest.skip("this CPU cannot run AVX-512")
     monkeypatch.setattr(build, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
     kernel = build._build(f"cpu_kernels_{arch.replace('-', '_')}", build.source_files(),
                           tmp_path)
     assert kernel.vector_width == width
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for heads, kvh, dim in [(9, 3, 64), (4, 4, 24), (4, 1, 128)]:
-            assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol)
+        for (heads, kvh, dim), tiles, v_rows in itertools.product(
+                [(9, 3, 64), (4, 4, 24), (4, 1, 128)], (False, True), kv_reads.V_ROWS):
+            assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol,
+                                   KVReads(0, False, tiles, v_rows))
     check_every_op(kernel)
     for dtype in (torch.float32, torch.bfloat16):
         check_small_linear(kernel, dtype)

@@ -137,9 +137,11 @@ def test_the_row_count_can_be_pinned_and_is_measured_once(monkeypatch) -> None:
 
 
 def measured_once(monkeypatch, module, choose):
-    """`choose()` with `module`'s pin (`ENV`) unset and its probe (`PROBE_BYTES`) cut to the
-    least: the first call measures, the second takes the cached choice. Returns the first."""
-    monkeypatch.delenv(module.ENV, raising=False)
+    """`choose()` with `module`'s pins (`ENV`, or each of `ENVS`) unset and its probe
+    (`PROBE_BYTES`) cut to the least: the first call measures, the second takes the cached
+    choice. Returns the first."""
+    for env in getattr(module, "ENVS", None) or (module.ENV,):
+        monkeypatch.delenv(env, raising=False)
     monkeypatch.setattr(module, "PROBE_BYTES", 1)
     module._measured.cache_clear()
     try:

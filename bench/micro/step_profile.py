@@ -23,8 +23,9 @@ The floor: a decode step reads every weight once (the embedding table only by ro
 LM head shares it) and every running sequence's cached K/V once, so its time is at least those
 bytes over the machine's memory bandwidth, measured here as one thread summing a buffer larger
 than the caches. ``decode_floor_ms`` is the weights' part for one stream. A batch's rows also
-cost arithmetic, at one thread's rate on a large dense product in the model's dtype, measured
-here: on a CPU without fast bf16 (fp32 on AVX2) many streams make the matmuls compute-bound.
+cost arithmetic, at one thread's rate on a large dense product in the model's dtype (the faster
+of torch's and oneDNN's packed one), measured here: many streams make the matmuls
+compute-bound, first on a CPU without fast bf16 (fp32 on AVX2).
 So a batch's ``floor_matmuls_ms`` is the larger of its weights' bytes time and its matmul
 FLOPs' time, its ``floor_attention_ms`` the same for its K/V at the mean context of its timed
 steps and attention's FLOPs, and its ``floor_ms`` their sum (the two run one after the other).
@@ -49,6 +50,7 @@ from prefixserve.workers.checkpoints import DEFAULT_MODEL, resolve_checkpoint
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
+from prefixserve.workers.models import packed_linear
 from prefixserve.workers.models.layers import CPULayerOps, LayerOps
 from prefixserve.workers.models.quantization import QuantizedLinear
 
@@ -67,12 +69,20 @@ def read_bandwidth_gb_s(mib: int = 512, reps: int = 5) -> float:
 
 def matmul_gflop_s(engine: LLMEngine, rows: int = 512, reps: int = 5) -> float:
     """One thread's rate on a large dense product in the model's dtype, at the shape of its
-    gate/up projection: what a decode batch's matmuls reach once they are compute-bound."""
+    gate/up projection: what a decode batch's matmuls reach once they are compute-bound. The
+    faster of torch's linear and oneDNN's on packed weights: the floor is the best the machine
+    does (on an AMD EPYC, Zen 5, MKL's fp32 product ran at 110 GFLOP/s, the packed one at 260)."""
     c, dtype = engine.model_config, engine.model.dtype
     x = torch.randn(rows, c.hidden_size).to(dtype)
     w = torch.randn(2 * c.intermediate_size, c.hidden_size).to(dtype)
-    torch.nn.functional.linear(x, w)
-    best = min(_timed(lambda: torch.nn.functional.linear(x, w)) for _ in range(reps))
+    products = [lambda: torch.nn.functional.linear(x, w)]
+    if packed_linear.available():
+        packed = packed_linear.pack(w)
+        products.append(lambda: packed_linear.linear(x, packed, None))
+    best = float("inf")
+    for product in products:
+        product()
+        best = min(best, *(_timed(product) for _ in range(reps)))
     return 2 * x.numel() * w.shape[0] / best / 1e9
 
 

@@ -5,8 +5,9 @@ for all its heads; torch SDPA over the same rows has to gather the blocks into a
 first and runs many small products below the memory's rate. In a step where every row decodes,
 the kernel also stores the new K/V rows and reads q, k and v as views of the fused projection's
 output, so a layer's attention is one call. Prefill chunks carry many query rows, where SDPA's
-kernel is already efficient, so they keep the torch backend's path. How far ahead the kernel
-asks for rows is measured per dtype (`attention.kv_prefetch`).
+kernel is already efficient, so they keep the torch backend's path. How the kernel reads K/V
+(rows asked for ahead and how, score tiles, V rows per pass) is measured per dtype
+(`attention.kv_reads`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from types import ModuleType
 import torch
 
 from prefixserve.workers.attention.base import AttentionBackend
-from prefixserve.workers.attention.kv_prefetch import prefetch_rows
+from prefixserve.workers.attention.kv_reads import KVReads, kv_reads
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import (
     Prefill,
@@ -56,11 +57,11 @@ class CPUPagedBackend(AttentionBackend):
     def __init__(self, kernel: ModuleType) -> None:
         self.kernel = kernel
         self.fallback = TorchSDPABackend()
-        self.ahead: dict[torch.dtype, int] = {}  # rows the kernel asks for ahead, per dtype
+        self.reads: dict[torch.dtype, KVReads] = {}  # how the kernel reads K/V, per dtype
 
     def prepare(self, dtype: torch.dtype) -> None:
-        if dtype not in self.ahead:
-            self.ahead[dtype] = prefetch_rows(self.kernel, dtype)
+        if dtype not in self.reads:
+            self.reads[dtype] = kv_reads(self.kernel, dtype)
 
     def forward(
         self,
@@ -79,15 +80,18 @@ class CPUPagedBackend(AttentionBackend):
             meta.backend_state = PagedPlan.make(meta, k_cache.shape[1], q.dtype)
         plan: PagedPlan = meta.backend_state
         self.prepare(q.dtype)
-        ahead = self.ahead[q.dtype]
+        reads = self.reads[q.dtype]
         if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
             return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
-                                            k, v, ahead).view(t, -1)
+                                            k, v, reads.ahead, reads.read_once,
+                                            reads.score_tiles, reads.v_rows).view(t, -1)
         store_kv(k, v, k_cache, v_cache, meta)
         out = q.new_empty(t, heads * dim)
         if plan.rows.numel():
             o = self.kernel.paged_decode(q.index_select(0, plan.rows), k_cache, v_cache,
-                                         plan.tables, plan.lens, scale, None, None, ahead)
+                                         plan.tables, plan.lens, scale, None, None,
+                                         reads.ahead, reads.read_once, reads.score_tiles,
+                                         reads.v_rows)
             out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
         prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
         return out

@@ -8,7 +8,8 @@
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new, int64_t ahead);
+                        const std::optional<at::Tensor>& v_new, int64_t ahead, bool read_once,
+                        bool score_tiles, int64_t v_rows);
 int64_t paged_decode_max_head_dim();
 int64_t paged_decode_max_heads();
 int64_t vector_width();
@@ -33,7 +34,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged decode attention over a block-table KV cache, storing the new K/V rows first",
         no_gil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("k_new") = py::none(),
-        py::arg("v_new") = py::none(), py::arg("ahead") = 0);
+        py::arg("v_new") = py::none(), py::arg("ahead") = 0,
+        py::arg("read_once") = false, py::arg("score_tiles") = false, py::arg("v_rows") = 1);
   m.attr("max_head_dim") = paged_decode_max_head_dim();
   m.attr("max_heads") = paged_decode_max_heads();
   m.attr("vector_width") = vector_width();

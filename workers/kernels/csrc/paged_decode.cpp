@@ -1,12 +1,22 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
 // the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
-// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum). With `ahead` > 0
-// each row is asked for that many rows before its use: K's rows, then V's, then the next
-// sequence's K (on an Intel Xeon the hardware's prefetcher alone kept the rows arriving at about
-// half the rate a plain sum reads memory; on an AMD EPYC asking ahead was slower: the caller
-// measures which). Accumulation is in float whatever the cache's dtype. Vectors are vec.h's:
-// their width is set by the flags the extension is compiled with (-march=native: AVX-512, AVX2,
-// or plain C++).
+// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
+// - Pass 1 sums each head's dot product with a row across the vector's lanes, or, with
+//   `score_tiles`, keeps the vectors of partial sums and sums them L positions at a time (`sums`),
+//   a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q in the CPU's pair
+//   dot-product instruction, unwidened. Tiles cut bf16 attention on an AMD EPYC (Zen 5); on an
+//   Intel Xeon with AMX, tiles and pairs each measured slower: the caller measures which.
+// - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
+//   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
+//   are twice as long: the caller measures which.
+// - With `ahead` > 0 each row is asked for that many rows before its use: K's rows, then V's,
+//   then the next sequence's K (on an Intel Xeon the hardware's prefetcher alone kept the rows
+//   arriving at about half the rate a plain sum reads memory; on an AMD EPYC (Zen 3) asking ahead
+//   was slower: the caller measures which). With `read_once` the rows are asked for as data
+//   read once (prefetchnta), not for every cache level (prefetcht0): on the Zen 5 that was up to
+//   a fifth faster with 4 V rows per pass, and no slower with one.
+// Accumulation is in float whatever the cache's dtype. Vectors are vec.h's: their width is set by
+// the flags the extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
 #include "vec.h"
 
 #include <ATen/Parallel.h>
@@ -14,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -25,49 +36,140 @@ struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
 };
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr bool BF16_PAIRS = true;  // the CPU's bf16 pair dot product (vdpbf16ps)
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
+
 // Where position `pos` of a sequence with block table `blocks` starts in a cache of rows of
 // `row` values (every KV head of one token).
 inline int64_t row_at(const int64_t* blocks, int64_t pos, const Shape& s, int64_t row) {
   return (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
 }
 
-// Asks for row `pos` of a cache to be brought into L1.
+// Asks for the row of `row` values at `cache + at` to be brought into L1, as data read once
+// (`once`: prefetchnta) or to be kept in every cache level (prefetcht0).
 template <typename T>
-inline void prefetch(const T* cache, const int64_t* blocks, int64_t pos, const Shape& s,
-                     int64_t row) {
-  const char* p = reinterpret_cast<const char*>(cache + row_at(blocks, pos, s, row));
-  for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) __builtin_prefetch(p + b, 0, 3);
+inline void prefetch(const T* cache, int64_t at, int64_t row, bool once) {
+  const char* p = reinterpret_cast<const char*>(cache + at);
+  for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) {
+    if (once) {
+      __builtin_prefetch(p + b, 0, 0);
+    } else {
+      __builtin_prefetch(p + b, 0, 3);
+    }
+  }
 }
 
-// One sequence: q [heads, dim] -> out [heads, dim]; scores [heads, len] and acc [heads, chunks * L]
-// are the calling thread's scratch; the next sequence's table and length (or null and 0) say
-// whose rows to ask for once this one's have all been.
-template <typename T, int64_t chunks, bool exact>
+// The lane sums of L vectors as one vector, out[i] = sum(v[i]): pairwise shuffles and adds.
+inline Vec sums(const Vec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88),
+                       _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+#elif defined(CPU_CAPABILITY_AVX2)
+  __m256 b[4], c[2];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20),
+                       _mm256_permute2f128_ps(c[0], c[1], 0x31));
+#else
+  float out[L];
+  for (int64_t i = 0; i < L; ++i) out[i] = sum(v[i]);
+  return Vec::loadu(out);
+#endif
+}
+
+// The calling thread's scratch: each position's row offset, each head's scores and one tile of
+// its partial dot products, and each head's weighted sum of V.
+struct Scratch {
+  std::vector<int64_t> offs;  // [len]
+  std::vector<float> scores, part, acc;  // [heads, len], [heads, L, L], [heads, chunks * L]
+};
+
+// One sequence: q [heads, dim] -> out [heads, dim]. The next sequence's table and length (or
+// null and 0) say whose rows to ask for once this one's have all been.
+template <typename T, int64_t chunks, bool exact, int64_t v_rows>
 void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const T* q,
-            float scale, T* out, const Shape& s, float* scores, float* acc, int64_t ahead,
-            const int64_t* next_blocks, int64_t next_len) {
+            float scale, T* out, const Shape& s, Scratch& w, int64_t ahead, bool once,
+            bool tiles, const int64_t* next_blocks, int64_t next_len) {
   const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
   const int64_t last = s.dim - (chunks - 1) * L;
   auto width = [&](int64_t c) { return exact || c < chunks - 1 ? L : last; };
+  int64_t* offs = w.offs.data();
+  float *scores = w.scores.data(), *part = w.part.data(), *acc = w.acc.data();
+  for (int64_t pos = 0, b = 0; pos < len; ++b)
+    for (int64_t o = 0; o < s.block_size && pos < len; ++o, ++pos)
+      offs[pos] = (blocks[b] * s.block_size + o) * row;
+  // Pass 1: each head's score per position, as one lane sum (`tiles` false), or kept as
+  // part[r, i], head r's products with position t + i, and summed a tile at a time.
+  constexpr bool pairs = BF16_PAIRS && std::is_same_v<T, at::BFloat16> && exact && chunks % 2 == 0;
   Vec qv[MAX_HEADS * chunks];
   for (int64_t r = 0; r < s.heads; ++r)
     for (int64_t c = 0; c < chunks; ++c)
       qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
-  Vec x[chunks];
-  for (int64_t pos = 0; pos < len; ++pos) {
-    const T* k = kc + row_at(blocks, pos, s, row);
-    if (ahead > 0 && pos + ahead < len) {  // K's rows, then V's first ones
-      prefetch(kc, blocks, pos + ahead, s, row);
-    } else if (ahead > 0 && pos + ahead - len < len) {
-      prefetch(vc, blocks, pos + ahead - len, s, row);
-    }
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
-      for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-        Vec a = qv[r * chunks] * x[0];
-        for (int64_t c = 1; c < chunks; ++c) a = at::vec::fmadd(qv[r * chunks + c], x[c], a);
-        scores[r * len + pos] = sum(a);
+  for (int64_t t = 0; t < len; t += L) {
+    const int64_t n = std::min(L, len - t);
+    for (int64_t pos = t; pos < t + n; ++pos) {
+      if (ahead > 0 && pos + ahead < len) {  // K's rows, then V's first ones
+        prefetch(kc, offs[pos + ahead], row, once);
+      } else if (ahead > 0 && pos + ahead - len < len) {
+        prefetch(vc, offs[pos + ahead - len], row, once);
       }
+      const T* k = kc + offs[pos];
+      float* p = part + (pos - t) * L;
+      for (int64_t h = 0; h < s.kv_heads; ++h) {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+        // 32 bf16 of K and of q per instruction, in tiles; the scale comes with the sums.
+        if constexpr (pairs) {
+          if (tiles) {
+            __m512bh kb[chunks / 2];
+            for (int64_t c = 0; c < chunks / 2; ++c)
+              kb[c] = (__m512bh)_mm512_loadu_si512(k + h * s.dim + c * 2 * L);
+            for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+              __m512 a = _mm512_setzero_ps();
+              for (int64_t c = 0; c < chunks / 2; ++c)
+                a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(q + r * s.dim + c * 2 * L),
+                                     kb[c]);
+              _mm512_storeu_ps(p + r * L * L, a);
+            }
+            continue;
+          }
+        }
+#endif
+        Vec x[chunks];
+        for (int64_t c = 0; c < chunks; ++c) x[c] = load(k + h * s.dim + c * L, width(c));
+        for (int64_t r = h * group; r < (h + 1) * group; ++r) {
+          Vec a = qv[r * chunks] * x[0];
+          for (int64_t c = 1; c < chunks; ++c) a = at::vec::fmadd(qv[r * chunks + c], x[c], a);
+          if (tiles) {
+            a.store(p + r * L * L);
+          } else {
+            scores[r * len + pos] = sum(a);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; tiles && r < s.heads; ++r) {
+      Vec tile[L];
+      for (int64_t i = 0; i < L; ++i)
+        tile[i] = i < n ? Vec::loadu(part + (r * L + i) * L) : Vec(0.f);
+      const Vec total = pairs ? sums(tile) * Vec(scale) : sums(tile);
+      total.store(scores + r * len + t, n);
     }
   }
   for (int64_t r = 0; r < s.heads; ++r) {
@@ -81,21 +183,34 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     const float inv = 1.f / total;
     for (int64_t i = 0; i < len; ++i) p[i] *= inv;
   }
+  // Pass 2: v_rows rows at a time into each head's accumulators; past the end, the last row
+  // again, weighed 0.
   std::fill(acc, acc + s.heads * chunks * L, 0.f);
-  for (int64_t pos = 0; pos < len; ++pos) {
-    const T* v = vc + row_at(blocks, pos, s, row);
-    if (ahead > 0 && pos + ahead < len) {  // V's rows, then the next sequence's first K rows
-      prefetch(vc, blocks, pos + ahead, s, row);
-    } else if (ahead > 0 && pos + ahead - len < next_len) {
-      prefetch(kc, next_blocks, pos + ahead - len, s, row);
+  for (int64_t pos = 0; pos < len; pos += v_rows) {
+    const T* v[v_rows];
+    for (int64_t u = 0; u < v_rows; ++u) {
+      const int64_t at = pos + u;
+      v[u] = vc + offs[std::min(at, len - 1)];
+      if (ahead > 0 && at + ahead < len) {  // V's rows, then the next sequence's first K rows
+        prefetch(vc, offs[at + ahead], row, once);
+      } else if (ahead > 0 && at < len && at + ahead - len < next_len) {
+        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, once);
+      }
     }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
-      for (int64_t c = 0; c < chunks; ++c) x[c] = load(v + h * s.dim + c * L, width(c));
+      Vec x[v_rows][chunks];
+      for (int64_t u = 0; u < v_rows; ++u)
+        for (int64_t c = 0; c < chunks; ++c) x[u][c] = load(v[u] + h * s.dim + c * L, width(c));
       for (int64_t r = h * group; r < (h + 1) * group; ++r) {
-        const Vec p(scores[r * len + pos]);
+        Vec p[v_rows];
+        for (int64_t u = 0; u < v_rows; ++u)
+          p[u] = Vec(pos + u < len ? scores[r * len + pos + u] : 0.f);
         float* a = acc + r * chunks * L;
-        for (int64_t c = 0; c < chunks; ++c)
-          at::vec::fmadd(p, x[c], Vec::loadu(a + c * L)).store(a + c * L);
+        for (int64_t c = 0; c < chunks; ++c) {
+          Vec total = Vec::loadu(a + c * L);
+          for (int64_t u = 0; u < v_rows; ++u) total = at::vec::fmadd(p[u], x[u][c], total);
+          total.store(a + c * L);
+        }
       }
     }
   }
@@ -103,16 +218,19 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     for (int64_t d = 0; d < s.dim; ++d) out[r * s.dim + d] = T(acc[r * chunks * L + d]);
 }
 
-// The head's vector count as a template argument, so that the per-token loops unroll.
+// The head's vector count and the V rows per pass as template arguments, so that the
+// per-position loops unroll.
 template <typename T, typename... Args>
-void attend_any(int64_t dim, Args... args) {
+void attend_any(int64_t dim, int64_t v_rows, Args&&... args) {
   const int64_t chunks = (dim + L - 1) / L;
   const bool exact = dim % L == 0;
   switch (chunks) {
-#define CASE(C) case C: return exact ? attend<T, C, true>(args...) : attend<T, C, false>(args...);
+#define ROWS(C, E) return v_rows == 4 ? attend<T, C, E, 4>(args...) : attend<T, C, E, 1>(args...);
+#define CASE(C) case C: if (exact) { ROWS(C, true) } else { ROWS(C, false) }
     CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
     CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
+#undef ROWS
   }
 }
 
@@ -130,7 +248,8 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
          double scale, const std::optional<at::Tensor>& k_new,
-         const std::optional<at::Tensor>& v_new, int64_t ahead) {
+         const std::optional<at::Tensor>& v_new, int64_t ahead, bool once, bool tiles,
+         int64_t v_rows) {
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1)};
   const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L, row = s.kv_heads * s.dim;
   const int64_t q_step = row_stride(q, s.heads, s.dim, "q");
@@ -159,7 +278,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // no other sequence holds), then reads each K/V row whole. (Splitting a lone sequence by KV
   // head across threads measured slower on the 2-vCPU machines this was written on.)
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(s.heads * longest), acc(s.heads * chunks * L);
+    Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
+              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L)};
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* blocks = tables + i * s.table_width;
       if (knp != nullptr) {
@@ -168,8 +288,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
         std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
       }
       const bool more = i + 1 < end;
-      attend_any<T>(s.dim, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
-                    op + i * s.heads * s.dim, s, scores.data(), acc.data(), ahead,
+      attend_any<T>(s.dim, v_rows, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
+                    op + i * s.heads * s.dim, s, w, ahead, once, tiles,
                     more ? blocks + s.table_width : nullptr, more ? lens[i + 1] : int64_t(0));
     }
   });
@@ -180,12 +300,15 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 // q [n, heads, dim] (each row's heads contiguous); caches [num_blocks, block_size, kv_heads, dim];
 // block_tables [n, width] int64; context_lens [n] int64, each >= 1. With k_new and v_new
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
-// last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none).
+// last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), as
+// data read once if `read_once`; `score_tiles`: scores summed a tile of positions at a time;
+// `v_rows`: V rows added per pass over the accumulators (1 or 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new, int64_t ahead) {
+                        const std::optional<at::Tensor>& v_new, int64_t ahead, bool read_once,
+                        bool score_tiles, int64_t v_rows) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode: the caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -198,6 +321,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: unsupported head layout");
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode: k_new and v_new go together");
   TORCH_CHECK(ahead >= 0, "paged_decode: ahead must be >= 0, not ", ahead);
+  TORCH_CHECK(v_rows == 1 || v_rows == 4, "paged_decode: v_rows must be 1 or 4, not ", v_rows);
   if (k_new) {
     TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
                     k_new->size(0) == q.size(0) && v_new->size(0) == q.size(0),
@@ -207,11 +331,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   if (q.size(0) == 0) return out;
   switch (q.scalar_type()) {
     case at::kFloat:
-      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new, ahead);
+      run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new, ahead,
+                 read_once, score_tiles, v_rows);
       break;
     case at::kBFloat16:
       run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new,
-                        ahead);
+                        ahead, read_once, score_tiles, v_rows);
       break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }

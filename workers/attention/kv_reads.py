@@ -1,0 +1,121 @@
+"""How the CPU paged-decode kernel reads K/V, measured: how far ahead it asks for rows and with
+which hint, whether it sums scores a tile of positions at a time, and how many V rows it adds
+into each accumulator per pass.
+
+Each depends on the CPU, not on the model:
+- On an Intel Xeon the hardware's prefetcher alone kept rows arriving at about half the rate a
+  plain sum reads memory, and asking for each row 32 rows before its use cut bf16 attention at
+  32 streams by a fifth; on an AMD EPYC (Zen 3) asking ahead was slower than not.
+- On an AMD EPYC (Zen 5) score tiles (with bf16 pair products) and 4 V rows per pass cut bf16
+  attention by a fifth, where 4 V rows slowed fp32, whose rows are twice as long, by a tenth;
+  asking ahead with the read-once hint (prefetchnta) rather than prefetcht0 cut both a little
+  more. On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
+  measured slower.
+
+So each process times every combination once per dtype and thread count, over caches larger
+than the caches of most server CPUs, and keeps the fastest. ``PREFIXSERVE_KV_PREFETCH_ROWS``
+pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0`` or ``nta``),
+``PREFIXSERVE_KV_SCORE_TILES`` the scores' sums (1: tiles, 0: per position) and
+``PREFIXSERVE_KV_V_ROWS`` the V rows (1 or 4); what is pinned is not timed.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from prefixserve.workers.models.crossover import REPS, best_ms
+
+log = logging.getLogger(__name__)
+
+AHEAD_ENV = "PREFIXSERVE_KV_PREFETCH_ROWS"
+HINT_ENV = "PREFIXSERVE_KV_PREFETCH_HINT"
+TILES_ENV = "PREFIXSERVE_KV_SCORE_TILES"
+V_ROWS_ENV = "PREFIXSERVE_KV_V_ROWS"
+ENVS = (AHEAD_ENV, HINT_ENV, TILES_ENV, V_ROWS_ENV)
+AHEADS = (0, 32)  # rows: 32 is 12 KB of a small model's bf16 K/V
+HINTS = {"t0": False, "nta": True}  # the hint's name: whether rows are asked for as read once
+V_ROWS = (1, 4)  # what the kernel is compiled for
+MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
+PROBE_BYTES = 256 << 20  # K/V read per timed pass
+PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
+
+
+@dataclass(frozen=True)
+class KVReads:
+    ahead: int  # rows asked for ahead of their use (0: none)
+    read_once: bool  # asked for with the read-once hint (prefetchnta), else prefetcht0
+    score_tiles: bool  # scores summed a tile of positions at a time, else one per position
+    v_rows: int  # V rows added into each accumulator per pass
+
+    def __str__(self) -> str:
+        ahead = f"{self.ahead} ahead ({'nta' if self.read_once else 't0'})" if self.ahead else \
+            "none ahead"
+        return f"{ahead}, {'score tiles' if self.score_tiles else 'row scores'}, " \
+               f"{self.v_rows} V rows"
+
+
+def kv_reads(kernel: ModuleType, dtype: torch.dtype) -> KVReads:
+    """How the kernel reads `dtype` caches: the pins, and the fastest measured for the rest."""
+    aheads, hints, tiles, v_rows = AHEADS, tuple(HINTS.values()), (False, True), V_ROWS
+    pinned = os.environ.get(AHEAD_ENV, "").strip()
+    if pinned:
+        if not pinned.isdigit() or int(pinned) > MAX_PINNED:
+            raise ValueError(f"{AHEAD_ENV} must be a whole number of rows up to {MAX_PINNED}, "
+                             f"not {pinned!r}")
+        aheads = (int(pinned),)
+    pinned = os.environ.get(HINT_ENV, "").strip()
+    if pinned:
+        if pinned not in HINTS:
+            raise ValueError(f"{HINT_ENV} must be one of {', '.join(HINTS)}, not {pinned!r}")
+        hints = (HINTS[pinned],)
+    pinned = os.environ.get(TILES_ENV, "").strip()
+    if pinned:
+        if pinned not in ("0", "1"):
+            raise ValueError(f"{TILES_ENV} must be 1 (tiles) or 0 (per position), not {pinned!r}")
+        tiles = (pinned == "1",)
+    pinned = os.environ.get(V_ROWS_ENV, "").strip()
+    if pinned:
+        if pinned not in {str(n) for n in V_ROWS}:
+            raise ValueError(f"{V_ROWS_ENV} must be one of {', '.join(map(str, V_ROWS))}, not "
+                             f"{pinned!r}")
+        v_rows = (int(pinned),)
+    # With nothing asked ahead the hint means nothing: one choice, not one per hint.
+    choices = list(dict.fromkeys(KVReads(a, h and a > 0, t, v)
+                                 for a in aheads for h in hints for t in tiles for v in v_rows))
+    if len(choices) == 1:
+        return choices[0]
+    return _measured(kernel, dtype, torch.get_num_threads(), tuple(choices))
+
+
+@functools.cache
+def _measured(kernel: ModuleType, dtype: torch.dtype, threads: int,
+              choices: tuple[KVReads, ...]) -> KVReads:
+    started = time.perf_counter()
+    seqs, tokens, heads, kv_heads, dim, block = PROBE
+    shape = (seqs * tokens // block, block, kv_heads, dim)
+    layer_bytes = 2 * seqs * tokens * kv_heads * dim * torch.empty(0, dtype=dtype).element_size()
+    caches = [(torch.full(shape, 0.01, dtype=dtype), torch.full(shape, 0.01, dtype=dtype))
+              for _ in range(max(1, PROBE_BYTES // layer_bytes))]
+    tables = torch.arange(shape[0]).reshape(seqs, -1)  # each sequence's blocks adjacent, rising
+    lens = torch.full((seqs,), tokens)
+    q = torch.full((seqs, heads, dim), 0.01, dtype=dtype)
+
+    def run(reads: KVReads) -> None:
+        for k, v in caches:
+            kernel.paged_decode(q, k, v, tables, lens, 0.125, None, None, reads.ahead,
+                                reads.read_once, reads.score_tiles, reads.v_rows)
+
+    times = {reads: best_ms(functools.partial(run, reads), REPS) for reads in choices}
+    chosen = min(times, key=times.get)
+    log.info("%s paged decode reads K/V with %s: %s; over %d MiB (%d threads, measured in "
+             "%.1f s)", str(dtype).removeprefix("torch."), chosen,
+             ", ".join(f"{ms:.1f} ms with {r}" for r, ms in times.items()),
+             len(caches) * layer_bytes >> 20, threads, time.perf_counter() - started)
+    return chosen
