@@ -127,8 +127,9 @@ async def _send(url: str, prompt: Prompt) -> object:
 async def test_stream_timings_counts_and_worker(server: str) -> None:
     r = await _send(server, Prompt(tokens=[1, 5, 6], output_len=4))
     assert r.success, r.error
-    assert FIRST_DELAY <= r.ttft < FIRST_DELAY + 0.2      # role-only chunk does not count
-    assert len(r.itl) == 3 and all(GAP * 0.8 <= g < GAP + 0.15 for g in r.itl)
+    # Lower bounds only: a loaded machine may stretch any time.
+    assert r.ttft >= FIRST_DELAY  # the role-only chunk does not count
+    assert len(r.itl) == 3 and all(g >= GAP * 0.8 for g in r.itl)
     assert r.latency == pytest.approx(r.ttft + sum(r.itl))
     assert r.output_tokens == 4 and r.prompt_len == 3 and r.cached_tokens == 1
     assert r.worker == "replica-1"
@@ -229,11 +230,14 @@ def test_cli_sweep_writes_json_and_plots(server: str, tmp_path: Path,
 
 
 async def test_duration_bound_stops_issuing(server: str) -> None:
-    # One at a time, each request takes ~0.35 s: a 0.5 s bound lets exactly two start.
+    # One at a time, each request takes at least FIRST_DELAY (about 0.35 s in all): a 0.5 s
+    # bound lets one or two of the ten start (the first alone where setting up is slow), and
+    # each that starts completes. No upper bound on any time: the machine may be loaded.
     spec = RunSpec(ClientConfig(base_url=server), LoadShape(max_concurrency=1, duration_s=0.5),
                    Tokens(vocab_size=2, min_id=1), progress=False)
     run = await run_once(spec, RandomPrompts(num_requests=10, input_len=4, output_len=3).sessions)
-    assert run.summary["completed"] == 2 and len(Handler.bodies) == 2
+    assert 1 <= run.summary["completed"] <= 2
+    assert len(Handler.bodies) == run.summary["completed"]
     assert run.summary["duration"] >= 0.5
 
 
