@@ -25,14 +25,17 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
 from prefixserve.workers.models.crossover import REPS, best_ms
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 AHEAD_ENV = "PREFIXSERVE_KV_PREFETCH_ROWS"
 HINT_ENV = "PREFIXSERVE_KV_PREFETCH_HINT"
@@ -63,35 +66,31 @@ class KVReads:
 
 def kv_reads(kernel: ModuleType, dtype: torch.dtype) -> KVReads:
     """How the kernel reads `dtype` caches: the pins, and the fastest measured for the rest."""
-    aheads, hints, tiles, v_rows = AHEADS, tuple(HINTS.values()), (False, True), V_ROWS
-    pinned = os.environ.get(AHEAD_ENV, "").strip()
-    if pinned:
-        if not pinned.isdigit() or int(pinned) > MAX_PINNED:
-            raise ValueError(f"{AHEAD_ENV} must be a whole number of rows up to {MAX_PINNED}, "
-                             f"not {pinned!r}")
-        aheads = (int(pinned),)
-    pinned = os.environ.get(HINT_ENV, "").strip()
-    if pinned:
-        if pinned not in HINTS:
-            raise ValueError(f"{HINT_ENV} must be one of {', '.join(HINTS)}, not {pinned!r}")
-        hints = (HINTS[pinned],)
-    pinned = os.environ.get(TILES_ENV, "").strip()
-    if pinned:
-        if pinned not in ("0", "1"):
-            raise ValueError(f"{TILES_ENV} must be 1 (tiles) or 0 (per position), not {pinned!r}")
-        tiles = (pinned == "1",)
-    pinned = os.environ.get(V_ROWS_ENV, "").strip()
-    if pinned:
-        if pinned not in {str(n) for n in V_ROWS}:
-            raise ValueError(f"{V_ROWS_ENV} must be one of {', '.join(map(str, V_ROWS))}, not "
-                             f"{pinned!r}")
-        v_rows = (int(pinned),)
+    aheads = _pinned(AHEAD_ENV, AHEADS, f"a whole number of rows up to {MAX_PINNED}",
+                     lambda p: int(p) if p.isdigit() and int(p) <= MAX_PINNED else None)
+    hints = _pinned(HINT_ENV, tuple(HINTS.values()), f"one of {', '.join(HINTS)}", HINTS.get)
+    tiles = _pinned(TILES_ENV, (False, True), "1 (tiles) or 0 (per position)",
+                    {"1": True, "0": False}.get)
+    v_rows = _pinned(V_ROWS_ENV, V_ROWS, f"one of {', '.join(map(str, V_ROWS))}",
+                     {str(n): n for n in V_ROWS}.get)
     # With nothing asked ahead the hint means nothing: one choice, not one per hint.
     choices = list(dict.fromkeys(KVReads(a, h and a > 0, t, v)
                                  for a in aheads for h in hints for t in tiles for v in v_rows))
     if len(choices) == 1:
         return choices[0]
     return _measured(kernel, dtype, torch.get_num_threads(), tuple(choices))
+
+
+def _pinned(env: str, choices: tuple[T, ...], what: str,
+            parse: Callable[[str], T | None]) -> tuple[T, ...]:
+    """`choices`, or the one value `env` pins (`parse` gives None for a value it refuses)."""
+    pinned = os.environ.get(env, "").strip()
+    if not pinned:
+        return choices
+    value = parse(pinned)
+    if value is None:
+        raise ValueError(f"{env} must be {what}, not {pinned!r}")
+    return (value,)
 
 
 @functools.cache
