@@ -127,31 +127,40 @@ def tie_favourite(tokens: list[int], fp: str, shares: dict[str, float]) -> str:
 def seed_against_the_hash(handle, url: str, seed: int) -> tuple[list[int], str, str]:
     """Cache a prefix on the replica the tie-break (busy share, then hash) does NOT prefer.
 
-    A long cold prompt is sent to the favoured replica first; while it is prefilling, the
-    router's own unreported-work accounting pushes the prefix to the other one. Later
-    requests can then only find the holder through prefix knowledge, not through the hash.
+    Where a long cold prompt goes is the cost model's to choose (measured prefill rates outweigh
+    the tie-break), so the favoured replica is made busy by prefix instead: two long anchors sent
+    together land one on each replica (the second finds the first's unreported work); the one on
+    the favoured replica, extended by as many new tokens, keeps it prefilling while the prefix is
+    sent, and the router's unreported-work accounting pushes the prefix to the other. Later
+    requests can then only find the holder through prefix knowledge, not through the tie-break.
     Returns (prefix, holder, favoured).
     """
     replicas = asyncio.run(live_replicas(url))
     fp = stats(handle, replicas[0])["fingerprint"]
     tried = []
     for attempt in range(3):
+        base = 10**6 + 1000 * seed + 100 * attempt
+        anchors = [prefix(base + i, blocks=60) for i in range(2)]
+        sent = []
+        for a in anchors:
+            sent.append(handle.options(stream=True).generate.remote(request(a, max_tokens=1)))
+            time.sleep(0.01)  # routed in this order
+        on = {list(stream)[-1].worker: a for stream, a in zip(sent, anchors, strict=True)}
         shares = {r: stats(handle, r)["busy_share"] for r in replicas}
         p = prefix(1000 * seed + attempt)
         favoured = tie_favourite(p, fp, shares)
-        blocker = next(
-            b for b in (prefix(10**6 + 1000 * seed + 100 * attempt + i, blocks=120)
-                        for i in range(100))
-            if tie_favourite(b, fp, shares) == favoured
-        )
+        if favoured not in on:
+            tried.append({"favoured": favoured, "anchors on": sorted(on)})
+            continue
+        blocker = on[favoured] + prefix(base + 50, blocks=60)
         busy = handle.options(stream=True).generate.remote(request(blocker, max_tokens=1))
-        time.sleep(0.05)  # routed, and still prefilling its 1920 tokens
+        time.sleep(0.05)  # routed to the anchor's replica, prefilling its 960 new tokens
         holder = run(handle, p + suffix())[-1].worker
         blocked = list(busy)[-1].worker
         if holder != favoured:
             return p, holder, favoured
         tried.append({"favoured": favoured, "blocker on": blocked, "prefix on": holder})
-    pytest.fail(f"could not place a prefix against the hash tie-break: {tried}")
+    pytest.fail(f"could not place a prefix against the tie-break: {tried}")
 
 
 def test_shared_prefix_goes_to_the_same_worker_and_hits_its_cache(handle, redis_server) -> None:
