@@ -52,6 +52,7 @@ from prefixserve.workers.engine_types import EngineConfig
 from prefixserve.workers.kv_tensor import kv_bytes_per_token
 from prefixserve.workers.models import packed_linear
 from prefixserve.workers.models.layers import CPULayerOps, LayerOps
+from prefixserve.workers.models.packed_linear import PackedWeights
 from prefixserve.workers.models.quantization import QuantizedLinear
 
 HOST = ("attention layer other", "mlp activation", "norms", "model other", "metadata",
@@ -99,6 +100,11 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _counts(weights: PackedWeights | None) -> list[int]:
+    """The timed row counts at which the layers multiply by these packed copies."""
+    return sorted(weights.counts) if weights is not None else []
 
 
 def weight_bytes(engine: LLMEngine) -> int:
@@ -259,6 +265,8 @@ def main(argv: list[str] | None = None) -> None:
                  "quantization": args.quantization,
                  "attention": engine.model.attention.name, "layer_ops": engine.model.ops.name,
                  "small_linear_rows": getattr(engine.model.ops, "small_rows", 0),
+                 "packed_rows": _counts(getattr(engine.model.ops, "packed", None)),
+                 "tile_rows": _counts(getattr(engine.model.ops, "tiles", None)),
                  "read_bandwidth_gb_s": round(bw, 1), "matmul_gflop_s": round(gflop_s, 1),
                  "weight_bytes_per_step": weights,
                  "decode_floor_ms": round(floor_s * 1000, 2), "batches": []}

@@ -7,8 +7,9 @@ each costing more to dispatch than to compute: a tenth to a sixth of a CPU decod
 `CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`), a plain
 linear layer at a few rows through the small-row kernel where it measured faster than BLAS
 (`workers.models.small_linear`), and at more rows over oneDNN's packed copy of its weight where
-that measured faster than torch's linear (`workers.models.packed_linear`); `LayerOps` is the
-torch version, for every other device and dtype and where the kernels cannot be built. Both
+that measured faster than torch's linear (`workers.models.packed_linear`), or in bf16 on a CPU
+with AMX on tiles where those measured faster still (`workers.models.tile_linear`); `LayerOps`
+is the torch version, for every other device and dtype and where the kernels cannot be built. Both
 round where HF's Llama rounds, so they compute the same model.
 """
 
@@ -28,6 +29,7 @@ from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models.packed_linear import PackedWeights, packed_counts
 from prefixserve.workers.models.packed_linear import linear as packed_linear
 from prefixserve.workers.models.small_linear import small_linear_rows
+from prefixserve.workers.models.tile_linear import tile_counts
 
 if TYPE_CHECKING:
     from prefixserve.workers.models.config import ModelConfig
@@ -76,18 +78,23 @@ class CPULayerOps(LayerOps):
     name = "cpu_fused"
 
     def __init__(self, kernels: ModuleType, small_rows: int = 0,
-                 packed: PackedWeights | None = None) -> None:
+                 packed: PackedWeights | None = None, tiles: PackedWeights | None = None) -> None:
         self.kernels = kernels
         self.small_rows = small_rows  # linear layers at 1 to this many rows: the kernel's
         self.packed = packed  # more rows over packed weights, at the counts it covers
+        self.tiles = tiles  # bf16 on AMX tiles, at the counts it covers, before either
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A plain linear layer (not a quantized or other one) at rows of its own dtype goes
-        through the small-row kernel at a few contiguous ones, over its packed weight at the row
-        counts where packing measured faster; anything else through its forward."""
+        """A plain linear layer (not a quantized or other one) at rows of its own dtype goes on
+        AMX tiles at the row counts where they measured faster, else through the small-row
+        kernel at a few contiguous ones, over its packed weight at the row counts where packing
+        measured faster; anything else through its forward."""
         if (type(layer) is not nn.Linear or x.dim() != 2 or x.shape[0] == 0
                 or x.dtype != layer.weight.dtype):
             return layer(x)
+        if self.tiles is not None and self.tiles.covers(x.shape[0]) and x.stride(1) == 1:
+            return self.kernels.tile_linear(x, self.tiles.of(layer), layer.out_features,
+                                            layer.bias)
         if (x.shape[0] <= self.small_rows and x.is_contiguous()
                 and layer.weight.is_contiguous()):
             return self.kernels.small_linear(x, layer.weight, layer.bias)
@@ -122,8 +129,10 @@ def _cpu(dtype: torch.dtype) -> LayerOps:
     if kernels is None:
         return LayerOps()
     packed = packed_counts(dtype)
-    return CPULayerOps(kernels, small_linear_rows(kernels, dtype, packed),
-                       PackedWeights(packed) if packed else None)
+    small = small_linear_rows(kernels, dtype, packed)
+    tiles = tile_counts(kernels, dtype, small, packed)
+    return CPULayerOps(kernels, small, PackedWeights(packed) if packed else None,
+                       PackedWeights(tiles, kernels.tile_pack) if tiles else None)
 
 
 # Device type -> the layer ops for a model dtype there; elsewhere torch's.

@@ -63,10 +63,12 @@ def timed_count(rows: int) -> int:
 class PackedWeights:
     """Each layer's packed copy, made on its first use and made again if its weight has since
     been replaced or written in place (a load, an adapter merged); and the row counts it is
-    used at."""
+    used at. ``pack``: the layout (oneDNN's by default; `models.tile_linear`'s AMX tiles)."""
 
-    def __init__(self, counts: frozenset[int]) -> None:
+    def __init__(self, counts: frozenset[int],
+                 pack: Callable[[torch.Tensor], torch.Tensor] = pack) -> None:
         self.counts = counts  # those of COUNTS where packed measured faster
+        self.pack = pack
         self._copies: dict[int, tuple[nn.Module, int, int, torch.Tensor]] = {}
 
     def covers(self, rows: int) -> bool:
@@ -76,7 +78,7 @@ class PackedWeights:
         w = layer.weight
         entry = self._copies.get(id(layer))
         if entry is None or entry[1:3] != (w.data_ptr(), w._version):
-            entry = (layer, w.data_ptr(), w._version, pack(w))  # the layer held: its id stays
+            entry = (layer, w.data_ptr(), w._version, self.pack(w))  # the layer held: id stays
             self._copies[id(layer)] = entry
         return entry[3]
 

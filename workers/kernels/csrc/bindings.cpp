@@ -1,6 +1,6 @@
 // The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention),
-// layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows) and
-// int4_linear.cpp (the same over int4 weights).
+// layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows),
+// tile_linear.cpp (bf16 matmuls on AMX tiles) and int4_linear.cpp (over int4 weights).
 #include <torch/extension.h>
 
 #include <optional>
@@ -23,6 +23,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 int64_t small_linear_max_rows();
+
+bool tile_linear_available();
+at::Tensor tile_pack(const at::Tensor& w);
+at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                       const std::optional<at::Tensor>& bias);
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
 
@@ -48,6 +53,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M, K] (M small), w [N, K] -> x w^T + bias [M, N]",
         no_gil, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("small_linear_max_rows") = small_linear_max_rows();
+  m.attr("tile_linear_available") = tile_linear_available();
+  m.def("tile_pack", &tile_pack, "w [N, K] bfloat16 -> its copy in AMX tiles' layout", no_gil);
+  m.def("tile_linear", &tile_linear,
+        "x [M, K] bfloat16, w packed by tile_pack, N -> x w^T + bias [M, N], on AMX tiles",
+        no_gil, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear,
         "x [M, K], int4 weights packed [N, K / 2] with (scale, offset) per 32 inputs -> [M, N]",
         no_gil, py::arg("x"), py::arg("packed"), py::arg("scales"));
