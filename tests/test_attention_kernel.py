@@ -63,7 +63,10 @@ def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
     return q, k, v, k_cache, v_cache, meta, tables
 
 
-READS = [KVReads(0, False, tiles, v_rows) for tiles in (False, True) for v_rows in kv_reads.V_ROWS]
+# each way to compute scores this build has (AMX tiles: bf16, where the CPU has them; fp32 rows
+# asked for them take lane sums), and each count of V rows per pass
+SCORES = [*kv_reads.SCORES][:3 if KERNEL is not None and KERNEL.amx_tiles else 2]
+READS = [KVReads(0, "t0", scores, v_rows) for scores in SCORES for v_rows in kv_reads.V_ROWS]
 
 
 @needs_kernel
@@ -170,10 +173,12 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
     gives the same bits, and the cache the same stored rows."""
     step = ([1, 5, BS, 2 * BS + 3, 70], 9, 3, 64, dtype)
     outs = []
-    for ahead, once in [(0, False), (1, False), (4, True), (32, False), (32, True), (1000, True)]:
+    for ahead, hint in [(0, "t0"), (1, "t0"), (4, "nta"), (32, "t0"), (32, "t1"), (32, "nta"),
+                        (1000, "nta")]:
         q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
         out = KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                  0.125, k, v, ahead, once, reads.score_tiles, reads.v_rows)
+                                  0.125, k, v, ahead, kv_reads.HINTS[hint], reads.scores_code,
+                                  reads.v_rows)
         outs.append((out, k_cache, v_cache))
     for out, k_cache, v_cache in outs[1:]:
         assert torch.equal(out, outs[0][0])
@@ -181,30 +186,39 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
     with pytest.raises(RuntimeError, match="ahead must be >= 0, not -1"):
         KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
                             None, None, -1)
-    with pytest.raises(RuntimeError, match="v_rows must be 1 or 4, not 2"):
-        KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
-                            None, None, 0, False, False, 2)
+    for args, error in [((0, 3, 0, 2), "v_rows must be 1 or 4, not 2"),
+                        ((0, 1, 0, 1), "hint must be 0, 2 or 3, not 1"),
+                        ((0, 3, 3, 1), "scores must be 0, 1 or 2, not 3")]:
+        with pytest.raises(RuntimeError, match=error):
+            KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
+                                None, None, *args)
+    if not KERNEL.amx_tiles:
+        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+            KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
+                                None, None, 0, 3, 2, 1)
 
 
 @needs_kernel
 def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
     monkeypatch.setenv(kv_reads.AHEAD_ENV, "7")
-    monkeypatch.setenv(kv_reads.HINT_ENV, "nta")
-    monkeypatch.setenv(kv_reads.TILES_ENV, "1")
+    monkeypatch.setenv(kv_reads.HINT_ENV, "t1")
+    monkeypatch.setenv(kv_reads.SCORES_ENV, "tiles")
     monkeypatch.setenv(kv_reads.V_ROWS_ENV, "4")
-    assert kv_reads.kv_reads(KERNEL, torch.float32) == KVReads(7, True, True, 4)
+    assert kv_reads.kv_reads(KERNEL, torch.float32) == KVReads(7, "t1", "tiles", 4)
     monkeypatch.setenv(kv_reads.AHEAD_ENV, "0")  # nothing ahead: the hint is moot
-    monkeypatch.setenv(kv_reads.TILES_ENV, "0")
+    monkeypatch.setenv(kv_reads.SCORES_ENV, "lanes")
     monkeypatch.setenv(kv_reads.V_ROWS_ENV, "1")
     monkeypatch.delenv(kv_reads.HINT_ENV)
     backend = CPUPagedBackend(KERNEL)
     backend.prepare(torch.float32)
-    assert backend.reads == {torch.float32: KVReads(0, False, False, 1)}
+    assert backend.reads == {torch.float32: KVReads(0, "t0", "lanes", 1)}
     for env, value, error in [
             (kv_reads.AHEAD_ENV, "far", "whole number of rows up to 1048576, not 'far'"),
             (kv_reads.AHEAD_ENV, "99999999999999999999", "not '99999999999999999999'"),
-            (kv_reads.HINT_ENV, "t1", "must be one of t0, nta, not 't1'"),
-            (kv_reads.TILES_ENV, "yes", r"must be 1 \(tiles\) or 0 \(per position\), not 'yes'"),
+            (kv_reads.HINT_ENV, "t2", "must be one of t0, t1, nta, not 't2'"),
+            (kv_reads.SCORES_ENV, "yes", r"must be one of lanes, tiles, amx \(amx: bf16 on a CPU "
+                                         r"with AMX\), not 'yes'"),
+            (kv_reads.SCORES_ENV, "amx", "not 'amx'"),  # fp32 has no AMX scores
             (kv_reads.V_ROWS_ENV, "2", "must be one of 1, 4, not '2'")]:
         with monkeypatch.context() as m:
             m.setenv(env, value)
@@ -215,17 +229,19 @@ def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog)
         monkeypatch.setattr(kv_reads, "PROBE_BYTES", 1)
         kv_reads._measured.cache_clear()
         assert kv_reads.kv_reads(KERNEL, torch.float32).ahead == 0
-        assert "ms with none ahead, row scores, 1 V rows, " in caplog.text
-        assert "ms with none ahead, row scores, 4 V rows; " in caplog.text
-        assert "32 ahead" not in caplog.text and "score tiles" not in caplog.text
+        assert "ms with none ahead, scores: lanes, 1 V rows, " in caplog.text
+        assert "ms with none ahead, scores: lanes, 4 V rows; " in caplog.text
+        assert "32 ahead" not in caplog.text and "scores: tiles" not in caplog.text
         first = measured_once(monkeypatch, kv_reads,
                               lambda: kv_reads.kv_reads(KERNEL, torch.bfloat16))
-    assert first in {KVReads(a, o and a > 0, t, v) for a in kv_reads.AHEADS for o in (False, True)
-                     for t in (False, True) for v in kv_reads.V_ROWS}
+    assert first in {KVReads(a, h if a else "t0", c, v) for a in kv_reads.AHEADS
+                     for h in kv_reads.HINTS for c in SCORES for v in kv_reads.V_ROWS}
     assert f"bfloat16 paged decode reads K/V with {first}: " in caplog.text
-    assert "32 ahead (nta), score tiles, 4 V rows" in caplog.text
-    assert "32 ahead (t0), row scores, 1 V rows" in caplog.text
-    assert caplog.text.count(" ms with ") == 2 + 12  # each choice timed once, none ahead once
+    assert "32 ahead (nta), scores: tiles, 4 V rows" in caplog.text
+    assert "32 ahead (t1), scores: lanes, 1 V rows" in caplog.text
+    assert ("scores: amx" in caplog.text) == KERNEL.amx_tiles
+    # each choice timed once, none ahead once per way of scores and V rows
+    assert caplog.text.count(" ms with ") == 2 + 4 * len(SCORES) * len(kv_reads.V_ROWS)
 
 
 @needs_kernel
@@ -318,10 +334,10 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
                           tmp_path)
     assert kernel.vector_width == width
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        for (heads, kvh, dim), tiles, v_rows in itertools.product(
-                [(9, 3, 64), (4, 4, 24), (4, 1, 128)], (False, True), kv_reads.V_ROWS):
+        for (heads, kvh, dim), scores, v_rows in itertools.product(
+                [(9, 3, 64), (4, 4, 24), (4, 1, 128)], ("lanes", "tiles"), kv_reads.V_ROWS):
             assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol,
-                                   KVReads(0, False, tiles, v_rows))
+                                   KVReads(0, "t0", scores, v_rows))
     check_every_op(kernel)
     for dtype in (torch.float32, torch.bfloat16):
         check_small_linear(kernel, dtype)

@@ -22,7 +22,7 @@ from prefixserve.workers.models.layers import CPULayerOps
 from prefixserve.workers.models.packed_linear import PackedWeights
 
 KERNELS = cpu_kernels()
-TILES = KERNELS is not None and KERNELS.tile_linear_available
+TILES = KERNELS is not None and KERNELS.amx_tiles
 needs_tiles = pytest.mark.skipif(not TILES, reason="no AMX-BF16 tiles in this CPU or build")
 BF16 = torch.bfloat16
 

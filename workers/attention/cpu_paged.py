@@ -6,7 +6,7 @@ first and runs many small products below the memory's rate. In a step where ever
 the kernel also stores the new K/V rows and reads q, k and v as views of the fused projection's
 output, so a layer's attention is one call. Prefill chunks carry many query rows, where SDPA's
 kernel is already efficient, so they keep the torch backend's path. How the kernel reads K/V
-(rows asked for ahead and how, score tiles, V rows per pass) is measured per dtype
+(rows asked for ahead and how, how scores are computed, V rows per pass) is measured per dtype
 (`attention.kv_reads`).
 """
 
@@ -83,14 +83,14 @@ class CPUPagedBackend(AttentionBackend):
         reads = self.reads[q.dtype]
         if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
             return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
-                                            k, v, reads.ahead, reads.read_once,
-                                            reads.score_tiles, reads.v_rows).view(t, -1)
+                                            k, v, reads.ahead, reads.hint_code,
+                                            reads.scores_code, reads.v_rows).view(t, -1)
         store_kv(k, v, k_cache, v_cache, meta)
         out = q.new_empty(t, heads * dim)
         if plan.rows.numel():
             o = self.kernel.paged_decode(q.index_select(0, plan.rows), k_cache, v_cache,
                                          plan.tables, plan.lens, scale, None, None,
-                                         reads.ahead, reads.read_once, reads.score_tiles,
+                                         reads.ahead, reads.hint_code, reads.scores_code,
                                          reads.v_rows)
             out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
         prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)

@@ -1,6 +1,6 @@
 """How the CPU paged-decode kernel reads K/V, measured: how far ahead it asks for rows and with
-which hint, whether it sums scores a tile of positions at a time, and how many V rows it adds
-into each accumulator per pass.
+which hint, how it computes scores (lane sums per position, vector tiles of positions, or AMX
+tiles), and how many V rows it adds into each accumulator per pass.
 
 Each depends on the CPU, not on the model:
 - On an Intel Xeon the hardware's prefetcher alone kept rows arriving at about half the rate a
@@ -9,14 +9,16 @@ Each depends on the CPU, not on the model:
 - On an AMD EPYC (Zen 5) score tiles (with bf16 pair products) and 4 V rows per pass cut bf16
   attention by a fifth, where 4 V rows slowed fp32, whose rows are twice as long, by a tenth;
   asking ahead with the read-once hint (prefetchnta) rather than prefetcht0 cut both a little
-  more. On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
-  measured slower.
+  more.
+- On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
+  measured slower; asking into L2 (prefetcht1), scores on AMX tiles and 4 V rows together were a
+  tenth faster than the old way there.
 
 So each process times every combination once per dtype and thread count, over caches larger
 than the caches of most server CPUs, and keeps the fastest. ``PREFIXSERVE_KV_PREFETCH_ROWS``
-pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0`` or ``nta``),
-``PREFIXSERVE_KV_SCORE_TILES`` the scores' sums (1: tiles, 0: per position) and
-``PREFIXSERVE_KV_V_ROWS`` the V rows (1 or 4); what is pinned is not timed.
+pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0``, ``t1`` or
+``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles`` or ``amx``: bf16 only, on
+a CPU with AMX) and ``PREFIXSERVE_KV_V_ROWS`` the V rows (1 or 4); what is pinned is not timed.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ T = TypeVar("T")
 
 AHEAD_ENV = "PREFIXSERVE_KV_PREFETCH_ROWS"
 HINT_ENV = "PREFIXSERVE_KV_PREFETCH_HINT"
-TILES_ENV = "PREFIXSERVE_KV_SCORE_TILES"
+SCORES_ENV = "PREFIXSERVE_KV_SCORES"
 V_ROWS_ENV = "PREFIXSERVE_KV_V_ROWS"
-ENVS = (AHEAD_ENV, HINT_ENV, TILES_ENV, V_ROWS_ENV)
+ENVS = (AHEAD_ENV, HINT_ENV, SCORES_ENV, V_ROWS_ENV)
 AHEADS = (0, 32)  # rows: 32 is 12 KB of a small model's bf16 K/V
-HINTS = {"t0": False, "nta": True}  # the hint's name: whether rows are asked for as read once
+HINTS = {"t0": 3, "t1": 2, "nta": 0}  # the prefetch hint's name: its locality, the kernel's code
 V_ROWS = (1, 4)  # what the kernel is compiled for
+SCORES = {"lanes": 0, "tiles": 1, "amx": 2}  # the kernel's code for each way to compute scores
 MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
 PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
@@ -53,29 +56,38 @@ PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, h
 @dataclass(frozen=True)
 class KVReads:
     ahead: int  # rows asked for ahead of their use (0: none)
-    read_once: bool  # asked for with the read-once hint (prefetchnta), else prefetcht0
-    score_tiles: bool  # scores summed a tile of positions at a time, else one per position
+    hint: str  # of HINTS: into every cache level, into L2, or as data read once
+    scores: str  # of SCORES: lane sums per position, vector tiles of positions, AMX tiles
     v_rows: int  # V rows added into each accumulator per pass
 
+    @property
+    def hint_code(self) -> int:
+        return HINTS[self.hint]
+
+    @property
+    def scores_code(self) -> int:
+        return SCORES[self.scores]
+
     def __str__(self) -> str:
-        ahead = f"{self.ahead} ahead ({'nta' if self.read_once else 't0'})" if self.ahead else \
-            "none ahead"
-        return f"{ahead}, {'score tiles' if self.score_tiles else 'row scores'}, " \
-               f"{self.v_rows} V rows"
+        ahead = f"{self.ahead} ahead ({self.hint})" if self.ahead else "none ahead"
+        return f"{ahead}, scores: {self.scores}, {self.v_rows} V rows"
 
 
 def kv_reads(kernel: ModuleType, dtype: torch.dtype) -> KVReads:
     """How the kernel reads `dtype` caches: the pins, and the fastest measured for the rest."""
     aheads = _pinned(AHEAD_ENV, AHEADS, f"a whole number of rows up to {MAX_PINNED}",
                      lambda p: int(p) if p.isdigit() and int(p) <= MAX_PINNED else None)
-    hints = _pinned(HINT_ENV, tuple(HINTS.values()), f"one of {', '.join(HINTS)}", HINTS.get)
-    tiles = _pinned(TILES_ENV, (False, True), "1 (tiles) or 0 (per position)",
-                    {"1": True, "0": False}.get)
+    hints = _pinned(HINT_ENV, tuple(HINTS), f"one of {', '.join(HINTS)}",
+                    lambda p: p if p in HINTS else None)
+    amx = dtype == torch.bfloat16 and getattr(kernel, "amx_tiles", False)
+    scores = _pinned(SCORES_ENV, tuple(SCORES)[:3 if amx else 2],
+                     f"one of {', '.join(SCORES)} (amx: bf16 on a CPU with AMX)",
+                     lambda p: p if p in SCORES and (p != "amx" or amx) else None)
     v_rows = _pinned(V_ROWS_ENV, V_ROWS, f"one of {', '.join(map(str, V_ROWS))}",
                      {str(n): n for n in V_ROWS}.get)
     # With nothing asked ahead the hint means nothing: one choice, not one per hint.
-    choices = list(dict.fromkeys(KVReads(a, h and a > 0, t, v)
-                                 for a in aheads for h in hints for t in tiles for v in v_rows))
+    choices = list(dict.fromkeys(KVReads(a, h if a > 0 else "t0", c, v)
+                                 for a in aheads for h in hints for c in scores for v in v_rows))
     if len(choices) == 1:
         return choices[0]
     return _measured(kernel, dtype, torch.get_num_threads(), tuple(choices))
@@ -109,7 +121,7 @@ def _measured(kernel: ModuleType, dtype: torch.dtype, threads: int,
     def run(reads: KVReads) -> None:
         for k, v in caches:
             kernel.paged_decode(q, k, v, tables, lens, 0.125, None, None, reads.ahead,
-                                reads.read_once, reads.score_tiles, reads.v_rows)
+                                reads.hint_code, reads.scores_code, reads.v_rows)
 
     times = {reads: best_ms(functools.partial(run, reads), REPS) for reads in choices}
     chosen = min(times, key=times.get)

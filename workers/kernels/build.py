@@ -93,7 +93,7 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
     `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`, `small_linear`, `small_linear_max_rows`,
-    `tile_linear_available`, `tile_pack`, `tile_linear`, `int4_linear`), or
+    `amx_tiles`, `tile_pack`, `tile_linear`, `int4_linear`), or
     None where it cannot be built here."""
     started = time.perf_counter()
     try:

@@ -42,7 +42,7 @@ def tile_counts(kernels: ModuleType, dtype: torch.dtype, small_rows: int,
     pinned = os.environ.get(ENV, "").strip()
     if pinned not in ("", "0", "1"):
         raise ValueError(f"{ENV} must be 1 (tiles) or 0 (never), not {pinned!r}")
-    if dtype != torch.bfloat16 or not kernels.tile_linear_available or pinned == "0":
+    if dtype != torch.bfloat16 or not kernels.amx_tiles or pinned == "0":
         return frozenset()
     if pinned == "1":
         return frozenset(COUNTS)

@@ -8,8 +8,8 @@
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new, int64_t ahead, bool read_once,
-                        bool score_tiles, int64_t v_rows);
+                        const std::optional<at::Tensor>& v_new, int64_t ahead, int64_t hint,
+                        int64_t scores, int64_t v_rows);
 int64_t paged_decode_max_head_dim();
 int64_t paged_decode_max_heads();
 int64_t vector_width();
@@ -24,7 +24,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
                         const std::optional<at::Tensor>& bias);
 int64_t small_linear_max_rows();
 
-bool tile_linear_available();
+bool amx_tiles();
 at::Tensor tile_pack(const at::Tensor& w);
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias);
@@ -40,7 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil, py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("scale"), py::arg("k_new") = py::none(),
         py::arg("v_new") = py::none(), py::arg("ahead") = 0,
-        py::arg("read_once") = false, py::arg("score_tiles") = false, py::arg("v_rows") = 1);
+        py::arg("hint") = 3, py::arg("scores") = 0, py::arg("v_rows") = 1);
   m.attr("max_head_dim") = paged_decode_max_head_dim();
   m.attr("max_heads") = paged_decode_max_heads();
   m.attr("vector_width") = vector_width();
@@ -53,7 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear", &small_linear, "x [M, K] (M small), w [N, K] -> x w^T + bias [M, N]",
         no_gil, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("small_linear_max_rows") = small_linear_max_rows();
-  m.attr("tile_linear_available") = tile_linear_available();
+  m.attr("amx_tiles") = amx_tiles();
   m.def("tile_pack", &tile_pack, "w [N, K] bfloat16 -> its copy in AMX tiles' layout", no_gil);
   m.def("tile_linear", &tile_linear,
         "x [M, K] bfloat16, w packed by tile_pack, N -> x w^T + bias [M, N], on AMX tiles",

@@ -4,11 +4,13 @@
 // than its arithmetic. Here each is one pass over its rows, computed in float and rounded where
 // the torch sequence rounds in the model's dtype, so a bf16 model computes what its torch path
 // computes (fp32 differs only in the order of a sum).
-#include <ATen/ATen.h>
+#include "vec.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -71,7 +73,10 @@ void rope_rows(T* qkv, const float* cos, const float* sin, int64_t rows, int64_t
   });
 }
 
-// out = T(T(silu(gate)) * up), gate and up the two halves of each row.
+inline Vec silu(const Vec& g) { return g / (Vec(1.f) + g.neg().exp_u20()); }
+
+// out = T(T(silu(gate)) * up), gate and up the two halves of each row: vectors of floats (two of
+// them per bf16 vector, rounded to bf16 where torch rounds), then one value at a time.
 template <typename T>
 void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
   at::parallel_for(0, rows, GRAIN, [&](int64_t begin, int64_t end) {
@@ -79,7 +84,20 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter) {
       const T* g = gate_up + r * 2 * inter;
       const T* u = g + inter;
       T* o = out + r * inter;
-      for (int64_t j = 0; j < inter; ++j) {
+      int64_t j = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (; j + L <= inter; j += L) (silu(Vec::loadu(g + j)) * Vec::loadu(u + j)).store(o + j);
+      } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+        using BVec = at::vec::Vectorized<at::BFloat16>;
+        for (; j + 2 * L <= inter; j += 2 * L) {
+          auto [g0, g1] = at::vec::convert_bfloat16_float(BVec::loadu(g + j));
+          auto [u0, u1] = at::vec::convert_bfloat16_float(BVec::loadu(u + j));
+          auto [a0, a1] = at::vec::convert_bfloat16_float(
+              at::vec::convert_float_bfloat16(silu(g0), silu(g1)));
+          at::vec::convert_float_bfloat16(a0 * u0, a1 * u1).store(o + j);
+        }
+      }
+      for (; j < inter; ++j) {
         const float act = f(static_cast<T>(f(g[j]) / (1.f + std::exp(-f(g[j])))));
         o[j] = static_cast<T>(act * f(u[j]));
       }

@@ -1,23 +1,30 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
 // the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
 // heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
-// - Pass 1 sums each head's dot product with a row across the vector's lanes, or, with
-//   `score_tiles`, keeps the vectors of partial sums and sums them L positions at a time (`sums`),
-//   a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q in the CPU's pair
+// - Pass 1 sums each head's dot product with a row across the vector's lanes (`scores` = 0), or,
+//   with `scores` = 1 (vector tiles), keeps the vectors of partial sums and sums them L positions
+//   at a time (`sums`), a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q in the CPU's pair
 //   dot-product instruction, unwidened. Tiles cut bf16 attention on an AMD EPYC (Zen 5); on an
 //   Intel Xeon with AMX, tiles and pairs each measured slower: the caller measures which.
+// - With `scores` = 2 (AMX tiles, bf16 only), pass 1 multiplies 16 positions' K rows of a KV head
+//   by its query heads on the CPU's tile unit, 32 values a step, read from the cache in place
+//   (a block of 16 or a multiple of 16 positions; other shapes fall back to lane sums). On an
+//   Intel Xeon with AMX the vector work of pass 1 took as long as reading its rows from memory,
+//   and the two barely overlapped: the caller measures which way is fastest.
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
 // - With `ahead` > 0 each row is asked for that many rows before its use: K's rows, then V's,
 //   then the next sequence's K (on an Intel Xeon the hardware's prefetcher alone kept the rows
 //   arriving at about half the rate a plain sum reads memory; on an AMD EPYC (Zen 3) asking ahead
-//   was slower: the caller measures which). With `read_once` the rows are asked for as data
-//   read once (prefetchnta), not for every cache level (prefetcht0): on the Zen 5 that was up to
-//   a fifth faster with 4 V rows per pass, and no slower with one.
+//   was slower: the caller measures which). `hint` says how: into every cache level (prefetcht0),
+//   into L2 (prefetcht1) or as data read once (prefetchnta). On the Zen 5 prefetchnta was up to
+//   a fifth faster than prefetcht0 with 4 V rows per pass; on an Intel Xeon with AMX prefetcht1
+//   was a twentieth faster.
 // Accumulation is in float whatever the cache's dtype. Vectors are vec.h's: their width is set by
 // the flags the extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
 #include "vec.h"
+#include "amx.h"
 
 #include <ATen/Parallel.h>
 
@@ -48,14 +55,17 @@ inline int64_t row_at(const int64_t* blocks, int64_t pos, const Shape& s, int64_
   return (blocks[pos / s.block_size] * s.block_size + pos % s.block_size) * row;
 }
 
-// Asks for the row of `row` values at `cache + at` to be brought into L1, as data read once
-// (`once`: prefetchnta) or to be kept in every cache level (prefetcht0).
+// Asks for the row of `row` values at `cache + at` to be brought in with `hint`, the prefetch's
+// locality: 3 (prefetcht0: into every cache level), 2 (prefetcht1: into L2 and beyond) or 0
+// (prefetchnta: as data read once).
 template <typename T>
-inline void prefetch(const T* cache, int64_t at, int64_t row, bool once) {
+inline void prefetch(const T* cache, int64_t at, int64_t row, int64_t hint) {
   const char* p = reinterpret_cast<const char*>(cache + at);
   for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) {
-    if (once) {
+    if (hint == 0) {
       __builtin_prefetch(p + b, 0, 0);
+    } else if (hint == 2) {
+      __builtin_prefetch(p + b, 0, 2);
     } else {
       __builtin_prefetch(p + b, 0, 3);
     }
@@ -99,14 +109,71 @@ inline Vec sums(const Vec* v) {
 struct Scratch {
   std::vector<int64_t> offs;  // [len]
   std::vector<float> scores, part, acc;  // [heads, len], [heads, L, L], [heads, chunks * L]
+  std::vector<at::BFloat16> pairs;  // [heads * dim]: q in the tiles' layout (AMX scores)
 };
+
+#if defined(PREFIXSERVE_AMX)
+constexpr int64_t TILE_ROWS = 16;  // positions per tile
+constexpr int64_t TILE_STEP = 32;  // values of a head per step
+
+// Tile 0: one KV head's scores at 16 positions (C: a column per query head of its group), 1: the
+// 16 positions' K rows, 32 values of the head (A), 2: the same 32 values of its query heads,
+// side by side in pairs (B).
+void configure_scores(int64_t group) {
+  TileConfig c;
+  c.rows[0] = c.rows[1] = c.rows[2] = TILE_ROWS;
+  c.colsb[0] = c.colsb[2] = uint16_t(group * 4);
+  c.colsb[1] = 64;
+  _tile_loadconfig(&c);
+}
+
+bool amx_fits(const Shape& s) {
+  return s.dim % TILE_STEP == 0 && s.heads / s.kv_heads <= 16 && s.block_size % TILE_ROWS == 0;
+}
+
+// Pass 1 on tiles: each KV head's scores, a tile of 16 positions at a time (rows of a block;
+// past `len`, the block's other rows, whose scores are not kept), times `scale`.
+void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* offs, int64_t len,
+                const at::BFloat16* q, float scale, float* scores, const Shape& s,
+                at::BFloat16* pairs, int64_t ahead, int64_t hint) {
+  const int64_t group = s.heads / s.kv_heads, steps = s.dim / TILE_STEP, row = s.kv_heads * s.dim;
+  // pairs[h][step][p][j][e] = q[h * group + j][step * 32 + 2p + e]
+  for (int64_t h = 0; h < s.kv_heads; ++h)
+    for (int64_t j = 0; j < group; ++j)
+      for (int64_t d = 0; d < s.dim; ++d)
+        pairs[(((h * steps + d / TILE_STEP) * 16 + (d % TILE_STEP) / 2) * group + j) * 2 + d % 2] =
+            q[(h * group + j) * s.dim + d];
+  alignas(64) float c[TILE_ROWS * 16];
+  for (int64_t t = 0; t < len; t += TILE_ROWS) {
+    const int64_t n = std::min(TILE_ROWS, len - t);
+    for (int64_t pos = t; ahead > 0 && pos < t + n; ++pos) {  // K's rows, then V's first ones
+      if (pos + ahead < len) {
+        prefetch(kc, offs[pos + ahead], row, hint);
+      } else if (pos + ahead - len < len) {
+        prefetch(vc, offs[pos + ahead - len], row, hint);
+      }
+    }
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      _tile_zero(0);
+      for (int64_t step = 0; step < steps; ++step) {
+        _tile_loadd(1, kc + offs[t] + h * s.dim + step * TILE_STEP, row * 2);
+        _tile_loadd(2, pairs + (h * steps + step) * 16 * group * 2, group * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, c, group * 4);
+      for (int64_t j = 0; j < group; ++j)
+        for (int64_t i = 0; i < n; ++i) scores[(h * group + j) * len + t + i] = c[i * group + j] * scale;
+    }
+  }
+}
+#endif
 
 // One sequence: q [heads, dim] -> out [heads, dim]. The next sequence's table and length (or
 // null and 0) say whose rows to ask for once this one's have all been.
 template <typename T, int64_t chunks, bool exact, int64_t v_rows>
 void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const T* q,
-            float scale, T* out, const Shape& s, Scratch& w, int64_t ahead, bool once,
-            bool tiles, const int64_t* next_blocks, int64_t next_len) {
+            float scale, T* out, const Shape& s, Scratch& w, int64_t ahead, int64_t hint,
+            int64_t mode, const int64_t* next_blocks, int64_t next_len) {
   const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
   const int64_t last = s.dim - (chunks - 1) * L;
   auto width = [&](int64_t c) { return exact || c < chunks - 1 ? L : last; };
@@ -115,20 +182,28 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   for (int64_t pos = 0, b = 0; pos < len; ++b)
     for (int64_t o = 0; o < s.block_size && pos < len; ++o, ++pos)
       offs[pos] = (blocks[b] * s.block_size + o) * row;
-  // Pass 1: each head's score per position, as one lane sum (`tiles` false), or kept as
-  // part[r, i], head r's products with position t + i, and summed a tile at a time.
+  // Pass 1: each head's score per position, on AMX tiles (mode 2), or as one lane sum (mode 0),
+  // or kept as part[r, i], head r's products with position t + i, and summed a tile at a time.
+  bool amx = false;
+#if defined(PREFIXSERVE_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    amx = mode == 2 && amx_fits(s);
+    if (amx) scores_amx(kc, vc, offs, len, q, scale, scores, s, w.pairs.data(), ahead, hint);
+  }
+#endif
+  const bool tiles = mode == 1;
   constexpr bool pairs = BF16_PAIRS && std::is_same_v<T, at::BFloat16> && exact && chunks % 2 == 0;
   Vec qv[MAX_HEADS * chunks];
   for (int64_t r = 0; r < s.heads; ++r)
     for (int64_t c = 0; c < chunks; ++c)
       qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
-  for (int64_t t = 0; t < len; t += L) {
+  for (int64_t t = 0; !amx && t < len; t += L) {
     const int64_t n = std::min(L, len - t);
     for (int64_t pos = t; pos < t + n; ++pos) {
       if (ahead > 0 && pos + ahead < len) {  // K's rows, then V's first ones
-        prefetch(kc, offs[pos + ahead], row, once);
+        prefetch(kc, offs[pos + ahead], row, hint);
       } else if (ahead > 0 && pos + ahead - len < len) {
-        prefetch(vc, offs[pos + ahead - len], row, once);
+        prefetch(vc, offs[pos + ahead - len], row, hint);
       }
       const T* k = kc + offs[pos];
       float* p = part + (pos - t) * L;
@@ -192,9 +267,9 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       const int64_t at = pos + u;
       v[u] = vc + offs[std::min(at, len - 1)];
       if (ahead > 0 && at + ahead < len) {  // V's rows, then the next sequence's first K rows
-        prefetch(vc, offs[at + ahead], row, once);
+        prefetch(vc, offs[at + ahead], row, hint);
       } else if (ahead > 0 && at < len && at + ahead - len < next_len) {
-        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, once);
+        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, hint);
       }
     }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
@@ -248,7 +323,7 @@ template <typename T>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& block_tables, const at::Tensor& context_lens, at::Tensor& out,
          double scale, const std::optional<at::Tensor>& k_new,
-         const std::optional<at::Tensor>& v_new, int64_t ahead, bool once, bool tiles,
+         const std::optional<at::Tensor>& v_new, int64_t ahead, int64_t hint, int64_t mode,
          int64_t v_rows) {
   const Shape s{q.size(1), k_cache.size(2), q.size(2), k_cache.size(1), block_tables.size(1)};
   const int64_t n = q.size(0), chunks = (s.dim + L - 1) / L, row = s.kv_heads * s.dim;
@@ -279,7 +354,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // head across threads measured slower on the 2-vCPU machines this was written on.)
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
-              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L)};
+              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
+              std::vector<at::BFloat16>(mode == 2 ? s.heads * s.dim : 0)};
+#if defined(PREFIXSERVE_AMX)
+    const bool amx = std::is_same_v<T, at::BFloat16> && mode == 2 && amx_fits(s);
+    if (amx) configure_scores(s.heads / s.kv_heads);
+#endif
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* blocks = tables + i * s.table_width;
       if (knp != nullptr) {
@@ -289,26 +369,31 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       }
       const bool more = i + 1 < end;
       attend_any<T>(s.dim, v_rows, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
-                    op + i * s.heads * s.dim, s, w, ahead, once, tiles,
+                    op + i * s.heads * s.dim, s, w, ahead, hint, mode,
                     more ? blocks + s.table_width : nullptr, more ? lens[i + 1] : int64_t(0));
     }
+#if defined(PREFIXSERVE_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
 }  // namespace
 
+bool amx_tiles();  // tile_linear.cpp
+
 // q [n, heads, dim] (each row's heads contiguous); caches [num_blocks, block_size, kv_heads, dim];
 // block_tables [n, width] int64; context_lens [n] int64, each >= 1. With k_new and v_new
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
-// last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), as
-// data read once if `read_once`; `score_tiles`: scores summed a tile of positions at a time;
-// `v_rows`: V rows added per pass over the accumulators (1 or 4).
+// last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), with
+// `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a tile of positions at a time
+// (1), or on AMX tiles (2; bf16 where the shape fits, lane sums elsewhere); `v_rows`: V rows added per pass over the accumulators (1 or 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
                         double scale, const std::optional<at::Tensor>& k_new,
-                        const std::optional<at::Tensor>& v_new, int64_t ahead, bool read_once,
-                        bool score_tiles, int64_t v_rows) {
+                        const std::optional<at::Tensor>& v_new, int64_t ahead, int64_t hint,
+                        int64_t scores, int64_t v_rows) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "paged_decode: the caches must be contiguous");
   TORCH_CHECK(block_tables.is_contiguous() && context_lens.is_contiguous() &&
@@ -321,7 +406,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: unsupported head layout");
   TORCH_CHECK(k_new.has_value() == v_new.has_value(), "paged_decode: k_new and v_new go together");
   TORCH_CHECK(ahead >= 0, "paged_decode: ahead must be >= 0, not ", ahead);
+  TORCH_CHECK(hint == 0 || hint == 2 || hint == 3, "paged_decode: hint must be 0, 2 or 3, not ",
+              hint);
   TORCH_CHECK(v_rows == 1 || v_rows == 4, "paged_decode: v_rows must be 1 or 4, not ", v_rows);
+  TORCH_CHECK(scores >= 0 && scores <= 2, "paged_decode: scores must be 0, 1 or 2, not ", scores);
+  TORCH_CHECK(scores != 2 || amx_tiles(), "paged_decode: this build or CPU has no AMX-BF16 tiles");
   if (k_new) {
     TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
                     k_new->size(0) == q.size(0) && v_new->size(0) == q.size(0),
@@ -332,11 +421,11 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   switch (q.scalar_type()) {
     case at::kFloat:
       run<float>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new, ahead,
-                 read_once, score_tiles, v_rows);
+                 hint, scores, v_rows);
       break;
     case at::kBFloat16:
       run<at::BFloat16>(q, k_cache, v_cache, block_tables, context_lens, out, scale, k_new, v_new,
-                        ahead, read_once, score_tiles, v_rows);
+                        ahead, hint, scores, v_rows);
       break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype ", q.scalar_type());
   }

@@ -5,7 +5,7 @@
 // Intel Xeon with AMX that streamed weights faster at 1 to 32 rows than the small-row kernel and
 // oneDNN's packed product (docs/results.md); the caller measures at which row counts.
 // Compiled only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
-// `tile_linear_available` is false and the kernel refuses.
+// `amx_tiles` is false and the kernel refuses.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -15,12 +15,7 @@
 #include <optional>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PREFIXSERVE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx.h"
 
 namespace {
 
@@ -31,20 +26,6 @@ constexpr int64_t AHEAD = 8192;  // bytes of weights asked for ahead (4 steps): 
 constexpr int64_t GRAIN = 8;  // groups per parallel task
 
 #if defined(PREFIXSERVE_AMX)
-// Linux lends a process the tile registers' state only when asked (arch_prctl, XTILEDATA).
-bool permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                 18 /* XFEATURE_XTILEDATA */) == 0;
-  return ok;
-}
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // Tiles 0-3: C (two row blocks x two column blocks, float), 4-5: A (x), 6-7: B (weights); each
 // 16 rows of 64 bytes.
 void configure() {
@@ -89,9 +70,9 @@ void group(const at::BFloat16* x, int64_t xs, bool two, const char* w, int64_t s
 
 }  // namespace
 
-bool tile_linear_available() {
+bool amx_tiles() {
 #if defined(PREFIXSERVE_AMX)
-  return permitted();
+  return amx_permitted();
 #else
   return false;
 #endif
@@ -126,7 +107,7 @@ at::Tensor tile_pack(const at::Tensor& w) {
 // [N] bf16 or none -> [M, N] bf16, accumulated in float.
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(tile_linear_available(), "tile_linear: this build or CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(amx_tiles(), "tile_linear: this build or CPU has no AMX-BF16 tiles");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
                   x.stride(1) == 1,
               "tile_linear: x must be [M, K] bfloat16 with M >= 1 and each row contiguous");
