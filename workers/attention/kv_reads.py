@@ -11,8 +11,8 @@ Each depends on the CPU, not on the model:
   asking ahead with the read-once hint (prefetchnta) rather than prefetcht0 cut both a little
   more.
 - On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
-  measured slower; asking into L2 (prefetcht1), scores on AMX tiles and 4 V rows together were a
-  tenth faster than the old way there.
+  measured slower; asking into L2 (prefetcht1) and scores on AMX tiles came within a few percent
+  of the old way from memory (the tiles cut the scores' work by two-fifths in cache).
 
 So each process times every combination once per dtype and thread count, over caches larger
 than the caches of most server CPUs, and keeps the fastest. ``PREFIXSERVE_KV_PREFETCH_ROWS``

@@ -3,14 +3,15 @@
 // heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
 // - Pass 1 sums each head's dot product with a row across the vector's lanes (`scores` = 0), or,
 //   with `scores` = 1 (vector tiles), keeps the vectors of partial sums and sums them L positions
-//   at a time (`sums`), a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q in the CPU's pair
-//   dot-product instruction, unwidened. Tiles cut bf16 attention on an AMD EPYC (Zen 5); on an
-//   Intel Xeon with AMX, tiles and pairs each measured slower: the caller measures which.
+//   at a time (`sums`), a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q
+//   in the CPU's pair dot-product instruction, unwidened. Tiles cut bf16 attention on an AMD EPYC
+//   (Zen 5); on an Intel Xeon with AMX, tiles and pairs each measured slower: the caller measures
+//   which.
 // - With `scores` = 2 (AMX tiles, bf16 only), pass 1 multiplies 16 positions' K rows of a KV head
 //   by its query heads on the CPU's tile unit, 32 values a step, read from the cache in place
 //   (a block of 16 or a multiple of 16 positions; other shapes fall back to lane sums). On an
-//   Intel Xeon with AMX the vector work of pass 1 took as long as reading its rows from memory,
-//   and the two barely overlapped: the caller measures which way is fastest.
+//   Intel Xeon with AMX that cut pass 1's work in cache by two-fifths, and came within a few
+//   percent of lane sums from memory: the caller measures which.
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
@@ -20,7 +21,7 @@
 //   was slower: the caller measures which). `hint` says how: into every cache level (prefetcht0),
 //   into L2 (prefetcht1) or as data read once (prefetchnta). On the Zen 5 prefetchnta was up to
 //   a fifth faster than prefetcht0 with 4 V rows per pass; on an Intel Xeon with AMX prefetcht1
-//   was a twentieth faster.
+//   and prefetcht0 came within a few percent of each other.
 // Accumulation is in float whatever the cache's dtype. Vectors are vec.h's: their width is set by
 // the flags the extension is compiled with (-march=native: AVX-512, AVX2, or plain C++).
 #include "vec.h"
