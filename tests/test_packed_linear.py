@@ -18,6 +18,12 @@ from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models import packed_linear, small_linear
 from prefixserve.workers.models.layers import CPULayerOps
 from prefixserve.workers.models.packed_linear import COUNTS, PackedWeights, linear, pack
+from prefixserve.workers.models.quantization import (
+    CROSSOVER_ROWS,
+    METHODS,
+    QuantizedLinear,
+    measure_crossover,
+)
 
 KERNELS = cpu_kernels()
 needs_packing = pytest.mark.skipif(not packed_linear.available(),
@@ -74,6 +80,29 @@ def test_layers_above_the_small_rows_multiply_by_a_copy_packed_again_when_the_we
         with pytest.raises(RuntimeError):
             ops.linear(other, x[:9])
     assert torch.equal(CPULayerOps(KERNELS, small_rows=2).linear(layer, x[:9]), layer(x[:9]))
+
+
+@needs_packing
+@pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")
+def test_a_quantized_layer_past_its_packed_rows_multiplies_its_dense_copy_as_a_plain_one_would(
+        ) -> None:
+    ops = CPULayerOps(KERNELS, small_rows=0, packed=PackedWeights(frozenset({8})))
+    layer = QuantizedLinear(nn.Linear(64, 48, bias=True), METHODS["int8"])
+    layer.packed_rows = 2
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        assert torch.equal(ops.linear(layer, x[:2]), layer.forward_packed(x[:2]))
+        assert torch.equal(ops.linear(layer, x), linear(x, ops.packed.of(layer), layer.bias))
+        assert torch.equal(ops.linear(layer, x[:4]), layer(x[:4]))  # timed as 4: torch's linear
+    # the crossover is measured against the dense product it is given
+    rows = []
+
+    def dense(q: nn.Module, y: torch.Tensor) -> torch.Tensor:
+        rows.append(y.shape[0])
+        return ops.dense(q, y)
+
+    _, times = measure_crossover([layer], reps=1, dense=dense)
+    assert set(rows) == set(times) and set(times) <= set(CROSSOVER_ROWS)
 
 
 def test_a_call_takes_the_choice_timed_at_the_largest_count_not_above_its_rows() -> None:

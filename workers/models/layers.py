@@ -28,6 +28,7 @@ from prefixserve.router.registry import Registry
 from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models.packed_linear import PackedWeights, packed_counts
 from prefixserve.workers.models.packed_linear import linear as packed_linear
+from prefixserve.workers.models.quantization import QuantizedLinear
 from prefixserve.workers.models.small_linear import small_linear_rows
 from prefixserve.workers.models.tile_linear import tile_counts
 
@@ -43,6 +44,11 @@ class LayerOps:
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A projection or the LM head applied to x's rows (the module's own forward)."""
         return layer(x)
+
+    def dense(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x's rows times a layer's dense `weight` (plus its `bias`): a plain linear layer's, or
+        a quantized one's dequantized copy."""
+        return F.linear(x, layer.weight, layer.bias)
 
     def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
         """What `rope_` takes for a step's rows at `positions` (computed once per step)."""
@@ -85,13 +91,19 @@ class CPULayerOps(LayerOps):
         self.tiles = tiles  # bf16 on AMX tiles, at the counts it covers, before either
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A plain linear layer (not a quantized or other one) at rows of its own dtype goes on
-        AMX tiles at the row counts where they measured faster, else through the small-row
-        kernel at a few contiguous ones, over its packed weight at the row counts where packing
-        measured faster; anything else through its forward."""
-        if (type(layer) is not nn.Linear or x.dim() != 2 or x.shape[0] == 0
-                or x.dtype != layer.weight.dtype):
-            return layer(x)
+        """A plain linear layer, and a quantized one at more rows than its packed kernel takes,
+        multiply by their dense weight as `dense` does; anything else through its forward."""
+        if type(layer) is QuantizedLinear and x.shape[0] > layer.packed_rows:
+            return self.dense(layer, x)
+        return self.dense(layer, x) if type(layer) is nn.Linear else layer(x)
+
+    def dense(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Rows of the weight's dtype go on AMX tiles at the row counts where they measured
+        faster, else through the small-row kernel at a few contiguous ones, over the packed
+        weight at the row counts where packing measured faster; anything else through torch's
+        linear."""
+        if x.dim() != 2 or x.shape[0] == 0 or x.dtype != layer.weight.dtype:
+            return F.linear(x, layer.weight, layer.bias)
         if self.tiles is not None and self.tiles.covers(x.shape[0]) and x.stride(1) == 1:
             return self.kernels.tile_linear(x, self.tiles.of(layer), layer.out_features,
                                             layer.bias)
@@ -100,7 +112,7 @@ class CPULayerOps(LayerOps):
             return self.kernels.small_linear(x, layer.weight, layer.bias)
         if self.packed is not None and self.packed.covers(x.shape[0]):
             return packed_linear(x, self.packed.of(layer), layer.bias)
-        return layer(x)
+        return F.linear(x, layer.weight, layer.bias)
 
     def rope_angles(self, positions: torch.Tensor, inv_freq: torch.Tensor) -> Any:
         freqs = positions[:, None].float() * inv_freq[None, :]

@@ -57,7 +57,8 @@ def load_model(
         model = build_model(load_model_config(path), safetensors_weights(path), dtype, device,
                             path)
     if quantization != "none":
-        log.info("%s", quantize_model(model, quantization))
+        ops = getattr(model, "ops", None)
+        log.info("%s", quantize_model(model, quantization, dense=ops.dense if ops else None))
     return model
 
 

@@ -43,6 +43,7 @@ INT4_KERNEL_ENV = "PREFIXSERVE_INT4_KERNEL"
 INT4_PROBE_BYTES = 64 << 20  # packed weights read per timed pass: past a server CPU's caches
 INT4_PROBE_SHAPE = (3072, 576)  # a small model's gate/up projection
 CROSSOVER_ROWS = (1, 2, 4, 8, 16, 32, 64)  # the batch sizes the crossover is measured at
+Dense = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (a layer, x) -> x times its weight
 
 Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # packed, scales, dequantized (fp32)
 
@@ -152,11 +153,13 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
 
 
-def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) -> str:
+def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None,
+                   dense: Dense | None = None) -> str:
     """Replace each linear layer of `model` that the method can pack by a QuantizedLinear (the
     LM head too: a tied one gets its own packed copy, the embedding stays as it was). The
     packed kernels take batches of up to `packed_rows` rows; None measures where they stop
-    being faster. Returns a line for the start-up log."""
+    being faster than `dense` (the model's layer ops' dense product). Returns a line for the
+    start-up log."""
     method = METHODS.lookup(name)
     weight = next(model.parameters())
     if weight.device.type != "cpu":
@@ -165,13 +168,13 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
     if name == "int4":
         method = int4_method(weight.dtype)
     layers: list[QuantizedLinear] = []
-    dense: list[str] = []
+    unpacked: list[str] = []
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
             if not method.packs(child):
-                dense.append(f"{parent_name}.{child_name}".lstrip("."))
+                unpacked.append(f"{parent_name}.{child_name}".lstrip("."))
                 continue
             layer = QuantizedLinear(child, method)
             setattr(parent, child_name, layer)
@@ -181,12 +184,12 @@ def quantize_model(model: nn.Module, name: str, packed_rows: int | None = None) 
                                     f"widths it packs ({_widths(method)})")
     timings = ""
     if packed_rows is None:
-        packed_rows, times = measure_crossover(layers)
+        packed_rows, times = measure_crossover(layers, dense=dense)
         timings = " (measured, packed/dense ms a pass: " + ", ".join(
             f"{m} rows {p:.3g}/{d:.3g}" for m, (p, d) in times.items()) + ")"
     for layer in layers:
         layer.packed_rows = packed_rows
-    kept = f"; {len(dense)} kept dense (it packs {_widths(method)})" if dense else ""
+    kept = f"; {len(unpacked)} kept dense (it packs {_widths(method)})" if unpacked else ""
     return (f"quantization {name}: {len(layers)} linear layers packed, {method.kernel}'s "
             f"kernel taking batches of up to {packed_rows} rows{timings}{kept}")
 
@@ -196,18 +199,20 @@ def _widths(method: Method) -> str:
     return f"inputs a multiple of {method.in_multiple}{outs}"
 
 
-def measure_crossover(layers: list[QuantizedLinear], reps: int = REPS,
+def measure_crossover(layers: list[QuantizedLinear], reps: int = REPS, dense: Dense | None = None,
                       ) -> tuple[int, dict[int, tuple[float, float]]]:
-    """The most rows at which a pass over every layer is faster packed than dense, trying
-    `CROSSOVER_ROWS` in order until dense wins (0: dense wins at one row); and each tried row
-    count's best (packed, dense) ms."""
+    """The most rows at which a pass over every layer is faster packed than dense (by `dense`,
+    the way the model's layer ops multiply by a dense weight; torch's linear by default),
+    trying `CROSSOVER_ROWS` in order until dense wins (0: dense wins at one row); and each tried
+    row count's best (packed, dense) ms."""
     dtype = layers[0].weight.dtype
+    dense = dense or (lambda q, x: F.linear(x, q.weight, q.bias))
 
     def passes(rows: int) -> tuple[Pass, Pass]:
         inputs = {n: torch.randn(rows, n, dtype=dtype)
                   for n in {layer.in_features for layer in layers}}
         return (lambda: [q.forward_packed(inputs[q.in_features]) for q in layers],
-                lambda: [F.linear(inputs[q.in_features], q.weight) for q in layers])
+                lambda: [dense(q, inputs[q.in_features]) for q in layers])
 
     with torch.inference_mode():
         return last_faster(passes, CROSSOVER_ROWS, reps)
