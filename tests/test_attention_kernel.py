@@ -199,6 +199,27 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
 
 
 @needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.amx_tiles, reason="no AMX-BF16 tiles here")
+def test_amx_scores_are_summed_a_step_of_32_values_at_a_time() -> None:
+    """Scores on AMX tiles are the tile unit's: a KV head's products summed in float a step of 32
+    values at a time. A position whose products cancel only across steps (2^24 + 1 - 2^24) scores
+    0 there, and 1 as lane sums (which add values 16 apart first), so the two ways weigh its V row
+    differently: e^0 / (e^0 + e^0.5) against e / (e + e^0.5)."""
+    k_cache, v_cache = torch.zeros(1, BS, 1, 64), torch.zeros(1, BS, 1, 64)
+    q = torch.zeros(1, 1, 64)
+    q[0, 0, [0, 1, 32]] = 1
+    k_cache[0, 0, 0, [0, 1, 32]] = torch.tensor([2.0**24, 1, -(2.0**24)])
+    k_cache[0, 1, 0, 1] = 0.5  # the other position scores 0.5 either way
+    v_cache[0, 0] = 1
+    args = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), torch.zeros(1, 1).long(),
+            torch.tensor([2]), 1.0, None, None, 0, kv_reads.HINTS["t0"])
+    lanes = KERNEL.paged_decode(*args, kv_reads.SCORES["lanes"], 1)[0, 0, 0].item()
+    amx = KERNEL.paged_decode(*args, kv_reads.SCORES["amx"], 1)[0, 0, 0].item()
+    assert lanes == pytest.approx(math.e / (math.e + math.exp(0.5)), abs=4e-3)
+    assert amx == pytest.approx(1 / (1 + math.exp(0.5)), abs=4e-3)
+
+
+@needs_kernel
 def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
     monkeypatch.setenv(kv_reads.AHEAD_ENV, "7")
     monkeypatch.setenv(kv_reads.HINT_ENV, "t1")

@@ -73,6 +73,17 @@ inline void prefetch(const T* cache, int64_t at, int64_t row, int64_t hint) {
   }
 }
 
+// Pass 1's row `ahead` positions past `pos`: K's, then, past K's end, V's first ones.
+template <typename T>
+inline void ask_ahead_of_k(const T* kc, const T* vc, const int64_t* offs, int64_t pos,
+                           int64_t len, int64_t ahead, int64_t row, int64_t hint) {
+  if (ahead > 0 && pos + ahead < len) {
+    prefetch(kc, offs[pos + ahead], row, hint);
+  } else if (ahead > 0 && pos + ahead - len < len) {
+    prefetch(vc, offs[pos + ahead - len], row, hint);
+  }
+}
+
 // The lane sums of L vectors as one vector, out[i] = sum(v[i]): pairwise shuffles and adds.
 inline Vec sums(const Vec* v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -147,13 +158,8 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* o
   alignas(64) float c[TILE_ROWS * 16];
   for (int64_t t = 0; t < len; t += TILE_ROWS) {
     const int64_t n = std::min(TILE_ROWS, len - t);
-    for (int64_t pos = t; ahead > 0 && pos < t + n; ++pos) {  // K's rows, then V's first ones
-      if (pos + ahead < len) {
-        prefetch(kc, offs[pos + ahead], row, hint);
-      } else if (pos + ahead - len < len) {
-        prefetch(vc, offs[pos + ahead - len], row, hint);
-      }
-    }
+    for (int64_t pos = t; pos < t + n; ++pos)
+      ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       _tile_zero(0);
       for (int64_t step = 0; step < steps; ++step) {
@@ -163,7 +169,8 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* o
       }
       _tile_stored(0, c, group * 4);
       for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < n; ++i) scores[(h * group + j) * len + t + i] = c[i * group + j] * scale;
+        for (int64_t i = 0; i < n; ++i)
+          scores[(h * group + j) * len + t + i] = c[i * group + j] * scale;
     }
   }
 }
@@ -185,10 +192,9 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       offs[pos] = (blocks[b] * s.block_size + o) * row;
   // Pass 1: each head's score per position, on AMX tiles (mode 2), or as one lane sum (mode 0),
   // or kept as part[r, i], head r's products with position t + i, and summed a tile at a time.
-  bool amx = false;
+  const bool amx = mode == 2;  // run() passes 2 only for bf16 caches the tiles fit
 #if defined(PREFIXSERVE_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    amx = mode == 2 && amx_fits(s);
     if (amx) scores_amx(kc, vc, offs, len, q, scale, scores, s, w.pairs.data(), ahead, hint);
   }
 #endif
@@ -201,11 +207,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   for (int64_t t = 0; !amx && t < len; t += L) {
     const int64_t n = std::min(L, len - t);
     for (int64_t pos = t; pos < t + n; ++pos) {
-      if (ahead > 0 && pos + ahead < len) {  // K's rows, then V's first ones
-        prefetch(kc, offs[pos + ahead], row, hint);
-      } else if (ahead > 0 && pos + ahead - len < len) {
-        prefetch(vc, offs[pos + ahead - len], row, hint);
-      }
+      ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
       const T* k = kc + offs[pos];
       float* p = part + (pos - t) * L;
       for (int64_t h = 0; h < s.kv_heads; ++h) {
@@ -350,6 +352,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
     longest = std::max(longest, lens[i]);
   }
+  // AMX tiles where they fit (bf16, the shape's sizes in 16s and 32s), lane sums elsewhere.
+#if defined(PREFIXSERVE_AMX)
+  if (mode == 2 && !(std::is_same_v<T, at::BFloat16> && amx_fits(s))) mode = 0;
+#else
+  if (mode == 2) mode = 0;
+#endif
   // One task per sequence: it stores its new K/V row (the last position of its table, a block
   // no other sequence holds), then reads each K/V row whole. (Splitting a lone sequence by KV
   // head across threads measured slower on the 2-vCPU machines this was written on.)
@@ -358,8 +366,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
               std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
               std::vector<at::BFloat16>(mode == 2 ? s.heads * s.dim : 0)};
 #if defined(PREFIXSERVE_AMX)
-    const bool amx = std::is_same_v<T, at::BFloat16> && mode == 2 && amx_fits(s);
-    if (amx) configure_scores(s.heads / s.kv_heads);
+    if (mode == 2) configure_scores(s.heads / s.kv_heads);
 #endif
     for (int64_t i = begin; i < end; ++i) {
       const int64_t* blocks = tables + i * s.table_width;
@@ -374,7 +381,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                     more ? blocks + s.table_width : nullptr, more ? lens[i + 1] : int64_t(0));
     }
 #if defined(PREFIXSERVE_AMX)
-    if (amx) _tile_release();
+    if (mode == 2) _tile_release();
 #endif
   });
 }
@@ -387,8 +394,9 @@ bool amx_tiles();  // tile_linear.cpp
 // block_tables [n, width] int64; context_lens [n] int64, each >= 1. With k_new and v_new
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
 // last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), with
-// `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a tile of positions at a time
-// (1), or on AMX tiles (2; bf16 where the shape fits, lane sums elsewhere); `v_rows`: V rows added per pass over the accumulators (1 or 4).
+// `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a
+// tile of positions at a time (1), or on AMX tiles (2; bf16 where the shape fits, lane sums
+// elsewhere); `v_rows`: V rows added per pass over the accumulators (1 or 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
