@@ -7,7 +7,8 @@ import torch
 
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.errors import InvalidRequestError
-from prefixserve.workers.sampling import Sampler, make_generator
+from prefixserve.workers.kernels.build import cpu_kernels
+from prefixserve.workers.sampling import Sampler, first_largest, make_generator
 
 V = 50
 
@@ -158,3 +159,52 @@ def test_logprobs_are_raw_log_softmax():
     assert torch.allclose(torch.tensor([v for _, v in top.top]), want.values)
     assert lps[2].top == []
     assert math.isclose(lps[2].logprob, ref[2, ids[2]].item(), rel_tol=1e-6)
+
+
+def largest_cases() -> list[torch.Tensor]:
+    """Rows the first-largest pick must agree with torch's max on: whole vectors, ragged tails,
+    the real vocabulary, ties, infinities, NaNs."""
+    gen = torch.Generator().manual_seed(3)
+    cases = [torch.randn(rows, n, generator=gen) for rows, n in
+             [(1, 1), (3, 15), (3, 16), (3, 17), (2, 100), (32, 49152), (0, 10)]]
+    tied = torch.zeros(4, 70)
+    tied[0, [7, 40]] = 5.0  # twice, in two vectors: the first
+    tied[1, [20, 69]] = 5.0  # the second in the ragged tail
+    tied[2, [33, 34]] = 5.0  # side by side in one vector
+    tied[3] = -math.inf  # a row that is all -inf: index 0, as torch gives
+    odd = torch.randn(4, 37, generator=gen)
+    odd[0, [5, 9]] = math.nan  # the first NaN, as torch's max propagates it
+    odd[1, 36] = math.nan  # a NaN in the ragged tail
+    odd[2, [3, 30]] = math.inf
+    odd[3, 12] = -math.nan
+    wide = torch.randn(3, 80, generator=gen)[:, :50]  # rows strided past their values
+    return [*cases, tied, odd, wide]
+
+
+@pytest.mark.parametrize("case", range(len(largest_cases())))
+def test_first_largest_picks_what_torch_max_picks(case):
+    logits = largest_cases()[case]
+    got = first_largest(logits)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, logits.max(dim=-1).indices)
+
+
+def test_the_kernels_pick_the_first_of_tied_largest():
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C++ toolchain to build the kernels")
+    tied = largest_cases()[7]
+    assert kernels.argmax_rows(tied).tolist() == [7, 20, 33, 0]
+    odd = largest_cases()[8]
+    assert kernels.argmax_rows(odd).tolist()[:3] == [5, 36, 3]
+    for bad in (torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(2, 0), torch.zeros(6),
+                torch.zeros(3, 4).t()):
+        with pytest.raises(RuntimeError, match="argmax_rows: x must be float32"):
+            kernels.argmax_rows(bad)
+
+
+def test_greedy_rows_take_the_first_of_tied_logits():
+    logits = torch.zeros(2, 40)
+    logits[:, [11, 30]] = 2.0
+    ids, _ = Sampler().sample(logits, [SamplingParams(temperature=0)] * 2)
+    assert ids == [11, 11]

@@ -9,6 +9,7 @@
   (`models.quantization`).
 - `tile_linear.cpp`: bf16 linear layers on AMX tiles, over weights packed into the tiles'
   layout (`models.tile_linear`); only where the CPU and compiler have AMX-BF16.
+- `argmax.cpp`: each row's first largest value, greedy sampling's pick (`workers.sampling`).
 - `vec.h`: what the vectorised ones share (the vector type, widening loads, a lane sum).
 
 torch's extension builder compiles them with the host's C++ compiler for the CPU it runs on
@@ -93,7 +94,7 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
     `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`, `small_linear`, `small_linear_max_rows`,
-    `amx_tiles`, `tile_pack`, `tile_linear`, `int4_linear`), or
+    `amx_tiles`, `tile_pack`, `tile_linear`, `int4_linear`, `argmax_rows`), or
     None where it cannot be built here."""
     started = time.perf_counter()
     try:

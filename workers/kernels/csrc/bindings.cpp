@@ -1,6 +1,7 @@
 // The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention),
 // layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows),
-// tile_linear.cpp (bf16 matmuls on AMX tiles) and int4_linear.cpp (over int4 weights).
+// tile_linear.cpp (bf16 matmuls on AMX tiles), int4_linear.cpp (over int4 weights) and argmax.cpp
+// (greedy sampling's pick).
 #include <torch/extension.h>
 
 #include <optional>
@@ -30,6 +31,8 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias);
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
+
+at::Tensor argmax_rows(const at::Tensor& x);
 
 // Every kernel runs with the GIL released, as torch's own ops do: the engine steps on its own
 // thread, and the worker's event loop (streaming, health, stats) must run meanwhile.
@@ -61,4 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear,
         "x [M, K], int4 weights packed [N, K / 2] with (scale, offset) per 32 inputs -> [M, N]",
         no_gil, py::arg("x"), py::arg("packed"), py::arg("scales"));
+  m.def("argmax_rows", &argmax_rows,
+        "x [rows, n] float32 -> each row's index of its first largest value [rows] int64",
+        no_gil);
 }
