@@ -1,6 +1,7 @@
-"""bf16 linear layers on AMX tiles: the product against float64, what the kernel refuses, which
-layers take it, the choice pinned or measured, and the engine's bf16 greedy tokens against
-transformers in bf16 with every linear layer on tiles. Most need a CPU with AMX."""
+"""bf16 linear layers over tiles of weights: the product against float64, what the kernel
+refuses, which layers take it, the choice pinned or measured, and the engine's bf16 greedy tokens
+against transformers in bf16 with every linear layer on tiles. Most need a CPU with AMX or
+AVX512-BF16 (whichever engine the build has runs them)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from prefixserve.workers.models.layers import CPULayerOps
 from prefixserve.workers.models.packed_linear import PackedWeights
 
 KERNELS = cpu_kernels()
-TILES = KERNELS is not None and KERNELS.amx_tiles
-needs_tiles = pytest.mark.skipif(not TILES, reason="no AMX-BF16 tiles in this CPU or build")
+TILES = KERNELS is not None and KERNELS.tile_linear_engine != ""
+needs_tiles = pytest.mark.skipif(not TILES, reason="neither AMX nor AVX512-BF16 in this CPU")
 BF16 = torch.bfloat16
 
 
@@ -52,7 +53,7 @@ def test_the_product_is_x_times_w_transposed_plus_bias_at_any_shape() -> None:
 def test_the_kernel_refuses_what_it_cannot_read() -> None:
     w = torch.randn(40, 64).to(BF16)
     if not TILES:
-        with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
+        with pytest.raises(RuntimeError, match="neither AMX-BF16 tiles nor AVX512-BF16 pairs"):
             KERNELS.tile_linear(torch.randn(2, 64).to(BF16), w, 40)
         return
     packed = KERNELS.tile_pack(w)
@@ -109,7 +110,7 @@ def test_the_choice_is_pinned_or_measured_once(monkeypatch, caplog) -> None:
         first = measured_once(monkeypatch, tile_linear,
                               lambda: tile_linear.tile_counts(KERNELS, BF16, 1, frozenset()))
     assert first <= every
-    assert "bfloat16 linear layers run on AMX tiles at " in caplog.text
+    assert f"bfloat16 linear layers run on tiles ({KERNELS.tile_linear_engine}) at " in caplog.text
     assert "1: " in caplog.text and "128: " in caplog.text  # every count timed
 
 

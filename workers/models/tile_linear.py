@@ -1,9 +1,13 @@
-"""bf16 linear layers on AMX tiles, at the row counts where that measured faster.
+"""bf16 linear layers over tiles of weights, at the row counts where that measured faster.
 
-On a CPU with AMX (Intel Xeon), prefixserve's tile kernel (`workers/kernels/csrc/tile_linear.cpp`)
-multiplies a decode batch's rows by a copy of each weight packed into the tiles' layout, read as
-one ordered stream. There it read the weights faster than the small-row kernel and oneDNN's
-packed product at 1 to 32 rows (docs/results.md); at more rows oneDNN's blocking can win. So
+prefixserve's tile kernel (`workers/kernels/csrc/tile_linear.cpp`) multiplies a decode batch's
+rows by a copy of each weight packed into AMX's tile layout, read as one ordered stream: on the
+tile unit where the CPU has AMX (Intel Xeon), else with AVX512-BF16's pair product (AMD EPYC
+Zen 4/5), which asks for each group of outputs' weights while it multiplies the group before.
+On an Intel Xeon with AMX that read the weights faster than the small-row kernel and oneDNN's
+packed product at 1 to 32 rows; on an AMD EPYC (Zen 5) the pairs beat oneDNN's packed product
+at 4 to 64 rows, whose memory time adds to its arithmetic (docs/results.md). At more rows
+oneDNN's blocking can win. So
 each process times the kernel against what the layers would otherwise run (the small-row kernel
 up to its rows, then torch's linear or its packed weights: `models.small_linear`,
 `models.packed_linear`) once, over weights far larger than the caches, at 1, 2, 4, ... 128 rows;
@@ -37,12 +41,12 @@ def tile_counts(kernels: ModuleType, dtype: torch.dtype, small_rows: int,
                 packed: frozenset[int]) -> frozenset[int]:
     """The row counts (of `COUNTS`) at which this process's linear layers in `dtype` run on
     tiles, against the small-row kernel up to `small_rows` and the product over packed weights
-    at the `packed` counts (empty: never; always where the build or CPU has no tiles, or the
-    dtype is not bfloat16)."""
+    at the `packed` counts (empty: never; always where the build or CPU has neither AMX nor
+    AVX512-BF16, or the dtype is not bfloat16)."""
     pinned = os.environ.get(ENV, "").strip()
     if pinned not in ("", "0", "1"):
         raise ValueError(f"{ENV} must be 1 (tiles) or 0 (never), not {pinned!r}")
-    if dtype != torch.bfloat16 or not kernels.amx_tiles or pinned == "0":
+    if dtype != torch.bfloat16 or not kernels.tile_linear_engine or pinned == "0":
         return frozenset()
     if pinned == "1":
         return frozenset(COUNTS)
@@ -71,7 +75,8 @@ def _measured(kernels: ModuleType, threads: int, small_rows: int,
         if tile_ms < other_ms:
             faster.add(rows)
         times.append(f"{rows}: {tile_ms:.1f}/{other_ms:.1f}")
-    log.info("bfloat16 linear layers run on AMX tiles at %s rows (tiles/otherwise ms: %s; %d "
-             "threads, measured in %.1f s)", ", ".join(map(str, sorted(faster))) or "no",
-             ", ".join(times), threads, time.perf_counter() - started)
+    log.info("bfloat16 linear layers run on tiles (%s) at %s rows (tiles/otherwise ms: %s; %d "
+             "threads, measured in %.1f s)", kernels.tile_linear_engine,
+             ", ".join(map(str, sorted(faster))) or "no", ", ".join(times), threads,
+             time.perf_counter() - started)
     return frozenset(faster)

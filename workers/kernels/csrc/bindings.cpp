@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <string>
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -26,6 +27,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w,
 int64_t small_linear_max_rows();
 
 bool amx_tiles();
+std::string tile_linear_engine();
 at::Tensor tile_pack(const at::Tensor& w);
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias);
@@ -57,6 +59,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.attr("small_linear_max_rows") = small_linear_max_rows();
   m.attr("amx_tiles") = amx_tiles();
+  m.attr("tile_linear_engine") = tile_linear_engine();
   m.def("tile_pack", &tile_pack, "w [N, K] bfloat16 -> its copy in AMX tiles' layout", no_gil);
   m.def("tile_linear", &tile_linear,
         "x [M, K] bfloat16, w packed by tile_pack, N -> x w^T + bias [M, N], on AMX tiles",

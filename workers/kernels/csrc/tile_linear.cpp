@@ -1,18 +1,29 @@
-// bf16 linear layers on AMX tiles: y = x w^T (+ b) for x [M, K] at any row count, over a copy of
-// w packed once into the tiles' layout. A decode step's product is one pass over the weights; in
-// this layout each 32 outputs' weights are one ordered stream of 2 KiB steps (32 inputs each),
-// read ahead of their use, and the tile unit multiplies them by 16 or 32 rows of x at once. On an
-// Intel Xeon with AMX that streamed weights faster at 1 to 32 rows than the small-row kernel and
-// oneDNN's packed product (docs/results.md); the caller measures at which row counts.
-// Compiled only where the compiler targets AMX-BF16 (-march=native on such a CPU); elsewhere
-// `amx_tiles` is false and the kernel refuses.
+// bf16 linear layers over tiles of weights: y = x w^T (+ b) for x [M, K] at any row count, over a
+// copy of w packed once into AMX's tile layout. A decode step's product is one pass over the
+// weights; in this layout each 32 outputs' weights are one ordered stream of 2 KiB steps (32 inputs
+// each), and a tile row (16 outputs' weights for one pair of inputs) is 64 bytes: one AVX-512
+// vector. Two engines read it:
+// - AMX (Intel Xeon): the tile unit multiplies each step by 16 or 32 rows of x at once, the weights
+//   asked for 8 KiB ahead. That streamed weights faster at 1 to 32 rows than the small-row kernel
+//   and oneDNN's packed product.
+// - Pairs (AVX512-BF16 without AMX, e.g. AMD EPYC Zen 4/5): the CPU's bf16 pair product multiplies
+//   each tile row by a pair of inputs broadcast from up to 12 rows of x, the group's 24 sums in
+//   registers, the group's weights read again from cache for each 12 rows; the next group's
+//   weights are asked for across this group's passes, so that memory's time overlaps the
+//   arithmetic (oneDNN's product, at 32 rows, added one to the other: docs/results.md).
+// The caller measures at which row counts either beats the alternatives. AMX code is compiled
+// only where the compiler targets AMX-BF16, the pairs only where it targets AVX512-BF16
+// (-march=native on such a CPU); `tile_linear_engine` says which one runs ("" where neither: the
+// kernel refuses).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "amx.h"
@@ -68,6 +79,140 @@ void group(const at::BFloat16* x, int64_t xs, bool two, const char* w, int64_t s
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define PREFIXSERVE_PAIRS 1
+#include <immintrin.h>
+
+constexpr int64_t PAIR_ROWS = 12;  // rows of x per pass over a group's weights: 24 sums
+
+// One group's 32 outputs (sums in float, `c` [R, 32]) for the R rows at x (row stride `xs` bf16,
+// even), over `steps` steps of its weights at w. Asks for `per_step` lines of `next` (the next
+// group's weights, or null) a step, from line `from`, up to its last.
+template <int R>
+void group_pairs(const at::BFloat16* x, int64_t xs, const char* w, int64_t steps, float* c,
+                 const char* next, int64_t from, int64_t per_step) {
+  const int64_t lines = steps * STEP_BYTES / 64;
+  __m512 acc[R][2];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    const char* ws = w + s * STEP_BYTES;
+    const int64_t ask = next == nullptr ? 0 : std::min(lines, from + (s + 1) * per_step);
+    for (int64_t l = from + s * per_step; l < ask; ++l) _mm_prefetch(next + l * 64, _MM_HINT_T1);
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(x + s * STEP);  // x's inputs in pairs
+#pragma GCC unroll 4
+    for (int p = 0; p < 16; ++p) {
+      const __m512bh lo = (__m512bh)_mm512_loadu_si512(ws + p * 64);  // outputs 0-15
+      const __m512bh hi = (__m512bh)_mm512_loadu_si512(ws + 1024 + p * 64);  // 16-31
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const __m512bh a = (__m512bh)_mm512_set1_epi32(pairs[r * xs / 2 + p]);
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], lo, a);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], hi, a);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(c + r * GROUP, acc[r][0]);
+    _mm512_storeu_ps(c + r * GROUP + 16, acc[r][1]);
+  }
+}
+
+// group_pairs<rows> for rows in 1..PAIR_ROWS.
+template <int... Rs>
+void group_rows(int rows, std::integer_sequence<int, Rs...>, const at::BFloat16* x, int64_t xs,
+                const char* w, int64_t steps, float* c, const char* next, int64_t from,
+                int64_t per_step) {
+  ((rows == Rs + 1 ? group_pairs<Rs + 1>(x, xs, w, steps, c, next, from, per_step) : void()), ...);
+}
+#endif
+
+#if defined(PREFIXSERVE_PAIRS)  // AVX512-BF16: defined wherever AMX is too
+// x's rows as the engines read them: in place where they hold `rows` rows of `width` inputs at an
+// even stride, else from this thread's zero-padded copy. Sets `xs` to the row stride.
+const at::BFloat16* readable(const at::Tensor& x, int64_t rows, int64_t width, int64_t& xs) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  xs = x.stride(0);
+  if (rows == M && width == K && xs % 2 == 0) return xp;
+  static thread_local std::vector<at::BFloat16> padded;
+  padded.assign(rows * width, at::BFloat16(0.f));
+  for (int64_t m = 0; m < M; ++m) std::copy(xp + m * xs, xp + m * xs + K, &padded[m * width]);
+  xs = width;
+  return padded.data();
+}
+
+// One row's `cols` (<= 32) outputs from their float sums, plus the bias (or null) at them, each
+// rounded once to bf16.
+void store_group(const float* sums, const at::BFloat16* bias, int64_t cols, at::BFloat16* y) {
+  if (bias == nullptr && cols == GROUP) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums + 16)));
+    return;
+  }
+  for (int64_t j = 0; j < cols; ++j) y[j] = at::BFloat16(sums[j] + (bias ? float(bias[j]) : 0.f));
+}
+
+#if defined(PREFIXSERVE_AMX)
+void amx_product(const at::Tensor& x, const char* wp, const at::BFloat16* bp, at::Tensor& y,
+                 int64_t steps, int64_t groups) {
+  // Tiles read 16 rows of 32 inputs at a time: other shapes are read from a zero-padded copy.
+  const int64_t M = x.size(0), N = y.size(1), rows = (M + 15) / 16 * 16;
+  int64_t xs;
+  const at::BFloat16* xp = readable(x, rows, steps * STEP, xs);
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  at::parallel_for(0, groups, GRAIN, [&](int64_t begin, int64_t end) {
+    configure();
+    alignas(64) float c[4][16][16];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * GROUP, cols = std::min(GROUP, N - n0);
+      for (int64_t m0 = 0; m0 < rows; m0 += 32) {  // the group's weights stay in cache
+        const bool two = m0 + 16 < rows;
+        group(xp + m0 * xs, xs, two, wp + g * steps * STEP_BYTES, steps, m0 == 0, c);
+        for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
+          const int64_t h = (m - m0) / 16, r = (m - m0) % 16;
+          float out[GROUP];
+          std::memcpy(out, c[h * 2][r], 64);
+          std::memcpy(out + 16, c[h * 2 + 1][r], 64);
+          store_group(out, bp ? bp + n0 : nullptr, cols, yp + m * N + n0);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+void pairs_product(const at::Tensor& x, const char* wp, const at::BFloat16* bp, at::Tensor& y,
+                   int64_t steps, int64_t groups) {
+  const int64_t M = x.size(0), N = y.size(1);
+  int64_t xs;
+  const at::BFloat16* xp = readable(x, M, steps * STEP, xs);
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  // the next group's lines, spread over this group's passes (one per PAIR_ROWS rows)
+  const int64_t passes = (M + PAIR_ROWS - 1) / PAIR_ROWS, lines = steps * STEP_BYTES / 64;
+  const int64_t per_step = (lines + passes * steps - 1) / (passes * steps);
+  at::parallel_for(0, groups, GRAIN, [&](int64_t begin, int64_t end) {
+    alignas(64) float c[PAIR_ROWS * GROUP];
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t n0 = g * GROUP, cols = std::min(GROUP, N - n0);
+      const char* next = g + 1 < end ? wp + (g + 1) * steps * STEP_BYTES : nullptr;
+      for (int64_t m0 = 0, pass = 0; m0 < M; m0 += PAIR_ROWS, ++pass) {
+        const int rows = int(std::min(PAIR_ROWS, M - m0));
+        group_rows(rows, std::make_integer_sequence<int, PAIR_ROWS>{}, xp + m0 * xs, xs,
+                   wp + g * steps * STEP_BYTES, steps, c, next, pass * steps * per_step,
+                   per_step);
+        for (int64_t m = m0; m < m0 + rows; ++m)
+          store_group(c + (m - m0) * GROUP, bp ? bp + n0 : nullptr, cols, yp + m * N + n0);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 bool amx_tiles() {
@@ -75,6 +220,14 @@ bool amx_tiles() {
   return amx_permitted();
 #else
   return false;
+#endif
+}
+
+std::string tile_linear_engine() {
+#if defined(PREFIXSERVE_PAIRS)
+  return amx_tiles() ? "amx" : "pairs";
+#else
+  return amx_tiles() ? "amx" : "";
 #endif
 }
 
@@ -107,7 +260,8 @@ at::Tensor tile_pack(const at::Tensor& w) {
 // [N] bf16 or none -> [M, N] bf16, accumulated in float.
 at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                        const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(amx_tiles(), "tile_linear: this build or CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(!tile_linear_engine().empty(),
+              "tile_linear: this build or CPU has neither AMX-BF16 tiles nor AVX512-BF16 pairs");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(0) >= 1 &&
                   x.stride(1) == 1,
               "tile_linear: x must be [M, K] bfloat16 with M >= 1 and each row contiguous");
@@ -125,49 +279,16 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                 "tile_linear: bias must be [N] bfloat16, contiguous");
   }
   auto y = at::empty({M, N}, x.options());
-#if defined(PREFIXSERVE_AMX)
-  // Tiles read 16 rows of 32 inputs at a time: other shapes are read from a zero-padded copy.
-  const int64_t rows = (M + 15) / 16 * 16, width = steps * STEP;
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  int64_t xs = x.stride(0);
-  static thread_local std::vector<at::BFloat16> padded;
-  if (rows != M || width != K) {
-    padded.assign(rows * width, at::BFloat16(0.f));
-    for (int64_t m = 0; m < M; ++m) std::copy(xp + m * xs, xp + m * xs + K, &padded[m * width]);
-    xp = padded.data();
-    xs = width;
-  }
   const char* wp = reinterpret_cast<const char*>(packed.data_ptr<at::BFloat16>());
   const at::BFloat16* bp = bias ? bias->data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  at::parallel_for(0, groups, GRAIN, [&](int64_t begin, int64_t end) {
-    configure();
-    alignas(64) float c[4][16][16];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * GROUP, cols = std::min(GROUP, N - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 32) {  // the group's weights stay in cache
-        const bool two = m0 + 16 < rows;
-        group(xp + m0 * xs, xs, two, wp + g * steps * STEP_BYTES, steps, m0 == 0, c);
-        for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
-          const int64_t h = (m - m0) / 16, r = (m - m0) % 16;
-          float out[GROUP];
-          std::memcpy(out, c[h * 2][r], 64);
-          std::memcpy(out + 16, c[h * 2 + 1][r], 64);
-          at::BFloat16* yr = yp + m * N + n0;
-          if (bp == nullptr && cols == GROUP) {
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(yr + 16),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(out + 16)));
-          } else {
-            for (int64_t j = 0; j < cols; ++j)
-              yr[j] = at::BFloat16(out[j] + (bp ? float(bp[n0 + j]) : 0.f));
-          }
-        }
-      }
-    }
-    _tile_release();
-  });
+#if defined(PREFIXSERVE_AMX)
+  if (amx_tiles()) {
+    amx_product(x, wp, bp, y, steps, groups);
+    return y;
+  }
+#endif
+#if defined(PREFIXSERVE_PAIRS)
+  pairs_product(x, wp, bp, y, steps, groups);
 #endif
   return y;
 }
