@@ -15,7 +15,9 @@ import pytest
 import torch
 from test_layer_ops import check_every_op
 from test_quantization import check_int4_linear
+from test_sampling import check_argmax
 from test_small_linear import check_small_linear, measured_once
+from test_tile_linear import check_tile_linear
 
 from prefixserve.workers.attention import kv_reads, registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
@@ -336,20 +338,26 @@ def test_without_a_kernel_the_cpu_gets_sdpa_and_forcing_it_says_why(monkeypatch)
 
 @needs_kernel
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8), ("skylake-avx512", 16)])
+@pytest.mark.parametrize("arch,width", [("haswell", 8), ("x86-64", 8), ("skylake-avx512", 16),
+                                        ("cooperlake", 16)])
 def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width, monkeypatch,
                                                                       tmp_path) -> None:
     """The same sources built for AVX2 (8-float vectors), for plain x86-64 (ATen's portable
-    vectors) and for AVX-512 without AVX512-BF16: the machines of a fleet differ, and each builds
-    for its own CPU. The layer ops are
-    checked against torch's as tests/test_layer_ops.py checks this machine's build, the
-    small-row and int4 linear layers against the dense product."""
+    vectors), for AVX-512 without AVX512-BF16, and with it but without AMX (where the machine's
+    own build has AMX): the machines of a fleet differ, and each builds for its own CPU. The
+    layer ops are checked against torch's as tests/test_layer_ops.py checks this machine's build,
+    the small-row and int4 linear layers against the dense product, the rows' argmax against
+    torch's, and the tile weights' pairs engine (or its absence) against float64."""
     if "86" not in os.uname().machine:
         pytest.skip("x86 targets")
     if arch == "haswell" and KERNEL.vector_width == width:
         pytest.skip("this machine's own build is the AVX2 one, checked by every other test")
     if width == 16 and "avx512f" not in build._cpu_flags().split():
         pytest.skip("this CPU cannot run AVX-512")
+    if arch == "cooperlake" and ("avx512_bf16" not in build._cpu_flags().split()
+                                 or KERNEL.tile_linear_engine == "pairs"):
+        pytest.skip("the tile weights' pairs engine: this CPU cannot run it, or its own build "
+                    "is that engine, checked by tests/test_tile_linear.py")
     monkeypatch.setattr(build, "CFLAGS", ["-O3", f"-march={arch}", "-ffast-math"])
     kernel = build._build(f"cpu_kernels_{arch.replace('-', '_')}", build.source_files(),
                           tmp_path)
@@ -363,3 +371,7 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
     for dtype in (torch.float32, torch.bfloat16):
         check_small_linear(kernel, dtype)
     check_int4_linear(kernel)
+    check_argmax(kernel)
+    assert kernel.tile_linear_engine == ("pairs" if arch == "cooperlake" else "")
+    if arch == "cooperlake":
+        check_tile_linear(kernel)

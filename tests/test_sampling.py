@@ -189,10 +189,18 @@ def test_first_largest_picks_what_torch_max_picks(case):
     assert torch.equal(got, logits.max(dim=-1).indices)
 
 
+def check_argmax(kernels) -> None:
+    """`argmax_rows` on every case gives torch's max's indices (also run on the kernels built for
+    narrower vectors, tests/test_attention_kernel.py)."""
+    for logits in largest_cases():
+        assert torch.equal(kernels.argmax_rows(logits), logits.max(dim=-1).indices)
+
+
 def test_the_kernels_pick_the_first_of_tied_largest():
     kernels = cpu_kernels()
     if kernels is None:
         pytest.skip("no C++ toolchain to build the kernels")
+    check_argmax(kernels)
     tied = largest_cases()[7]
     assert kernels.argmax_rows(tied).tolist() == [7, 20, 33, 0]
     odd = largest_cases()[8]

@@ -28,25 +28,32 @@ needs_tiles = pytest.mark.skipif(not TILES, reason="neither AMX nor AVX512-BF16 
 BF16 = torch.bfloat16
 
 
-@needs_tiles
-def test_the_product_is_x_times_w_transposed_plus_bias_at_any_shape() -> None:
+def check_tile_linear(kernels) -> None:
+    """The product against float64 at whole, ragged, tiny and a model's shapes, every row count's
+    passes (also run on the pairs engine built for a CPU without AMX,
+    tests/test_attention_kernel.py)."""
     gen = torch.Generator().manual_seed(0)
     # (out, in): whole groups and steps, ragged ones, fewer than one, a model's shape
     for n, k in [(64, 64), (33, 72), (7, 10), (960, 576)]:
         w = torch.randn(n, k, generator=gen).to(BF16)
         b = torch.randn(n, generator=gen).to(BF16)
-        packed = KERNELS.tile_pack(w)
+        packed = kernels.tile_pack(w)
         for m in (1, 5, 16, 17, 32, 33, 64, 70):
             x = torch.randn(m, k, generator=gen).to(BF16)
             for bias in (None, b):
-                got = KERNELS.tile_linear(x, packed, n, bias)
+                got = kernels.tile_linear(x, packed, n, bias)
                 assert got.dtype == BF16 and got.shape == (m, n)
                 # rounded once from a float sum: at most one bf16 step off
                 torch.testing.assert_close(got.float(), reference(x, w, bias).float(),
                                            rtol=2**-7, atol=1e-2)
         rows = torch.randn(32, 2 * k, generator=gen).to(BF16)[:, :k]  # strided rows
-        assert torch.equal(KERNELS.tile_linear(rows, packed, n),
-                           KERNELS.tile_linear(rows.contiguous(), packed, n))
+        assert torch.equal(kernels.tile_linear(rows, packed, n),
+                           kernels.tile_linear(rows.contiguous(), packed, n))
+
+
+@needs_tiles
+def test_the_product_is_x_times_w_transposed_plus_bias_at_any_shape() -> None:
+    check_tile_linear(KERNELS)
 
 
 @pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")

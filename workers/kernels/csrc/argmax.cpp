@@ -33,18 +33,25 @@ int64_t first_largest(const float* p, int64_t n) {
   int32_t seen[L];
   nans.store(seen);
   bool nan = std::any_of(seen, seen + L, [](int32_t x) { return x != 0; });
-  float best = top.reduce_max();
+  float lanes[L];  // (ATen's portable vectors have no reduce_max that compiles)
+  top.store(lanes);
+  float best = *std::max_element(lanes, lanes + L);
   for (; i < n; ++i) {
     nan = nan || is_nan(p[i]);
     best = std::max(best, p[i]);
   }
   for (int64_t j = 0; nan && j < n; ++j)
     if (is_nan(p[j])) return j;
+  i = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  // (ATen's portable vectors mark equal lanes with a NaN's bits, which -ffast-math's compares
+  // cannot be trusted to tell from zero: there, the scalar loop below finds it.)
   const Vec wanted(best);
-  for (i = 0; i + L <= n; i += L) {
+  for (; i + L <= n; i += L) {
     const int differ = (Vec::loadu(p + i) == wanted).zero_mask();  // bit set: not the largest
     if (differ != (1 << L) - 1) return i + __builtin_ctz(~differ);
   }
+#endif
   for (; i < n; ++i)
     if (p[i] == best) return i;
   return 0;  // not reached: the largest is somewhere in the row
