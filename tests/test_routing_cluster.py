@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -310,10 +309,19 @@ def test_sibling_calls_of_one_request_are_each_routed(handle) -> None:
 
 
 def test_different_prefixes_spread_over_workers(handle) -> None:
-    # Cold prefixes go where rendezvous hashing with the (random) replica ids sends them:
-    # 20 all on one worker by chance is 1 in 524,288 (12 was 1 in 2,048).
-    picks = Counter(run(handle, prefix(100 + i) + suffix())[-1].worker for i in range(20))
-    assert len(picks) == 2, picks
+    # A cold prefix costs its prefill on either worker, weighed up by how full the worker's pool
+    # is; at a tie it goes to the worker least busy lately, then where rendezvous hashing sends
+    # it. Earlier tests leave the pools and busy shares unequal (seed_against_the_hash's long
+    # prefills), so one worker may take many cold prefixes before the other is cheaper: how many
+    # depends on the history and the machine's speed (4 to 17 in runs here, over 20 once in CI).
+    # Sent one after another, they must reach both workers before both pools are full (160
+    # blocks each, 9 a request).
+    picks: list[str] = []
+    for i in range(60):
+        picks.append(run(handle, prefix(100 + i) + suffix())[-1].worker)
+        if len(set(picks)) == 2:
+            break
+    assert len(set(picks)) == 2, picks
 
 
 def test_a_burst_with_one_new_prefix_lands_on_one_worker(handle) -> None:

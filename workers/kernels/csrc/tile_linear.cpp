@@ -21,8 +21,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <string>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -126,9 +126,8 @@ void group_rows(int rows, std::integer_sequence<int, Rs...>, const at::BFloat16*
                 int64_t per_step) {
   ((rows == Rs + 1 ? group_pairs<Rs + 1>(x, xs, w, steps, c, next, from, per_step) : void()), ...);
 }
-#endif
 
-#if defined(PREFIXSERVE_PAIRS)  // AVX512-BF16: defined wherever AMX is too
+// (What follows serves both engines: AVX512-BF16 is there wherever AMX is.)
 // x's rows as the engines read them: in place where they hold `rows` rows of `width` inputs at an
 // even stride, else from this thread's zero-padded copy. Sets `xs` to the row stride.
 const at::BFloat16* readable(const at::Tensor& x, int64_t rows, int64_t width, int64_t& xs) {
