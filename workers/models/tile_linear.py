@@ -6,7 +6,7 @@ tile unit where the CPU has AMX (Intel Xeon), else with AVX512-BF16's pair produ
 Zen 4/5), which asks for each group of outputs' weights while it multiplies the group before.
 On an Intel Xeon with AMX that read the weights faster than the small-row kernel and oneDNN's
 packed product at 1 to 32 rows; on an AMD EPYC (Zen 5) the pairs beat oneDNN's packed product
-at 4 to 64 rows, whose memory time adds to its arithmetic (docs/results.md). At more rows
+at 8 to 64 rows, whose memory time adds to its arithmetic (docs/results.md). At more rows
 oneDNN's blocking can win. So
 each process times the kernel against what the layers would otherwise run (the small-row kernel
 up to its rows, then torch's linear or its packed weights: `models.small_linear`,
