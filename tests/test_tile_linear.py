@@ -17,6 +17,7 @@ from torch import nn
 from prefixserve.router.sampling_params import SamplingParams
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.kernels import build
 from prefixserve.workers.kernels.build import cpu_kernels
 from prefixserve.workers.models import tile_linear
 from prefixserve.workers.models.layers import CPULayerOps
@@ -58,6 +59,10 @@ def test_the_product_is_x_times_w_transposed_plus_bias_at_any_shape() -> None:
 
 @pytest.mark.skipif(KERNELS is None, reason="no C++ toolchain to build the kernels")
 def test_the_kernel_refuses_what_it_cannot_read() -> None:
+    # the engine is the CPU's: AMX where permitted, else pairs where it has AVX512-BF16
+    flags = build._cpu_flags().split()
+    assert KERNELS.tile_linear_engine == ("amx" if KERNELS.amx_tiles else
+                                          "pairs" if "avx512_bf16" in flags else "")
     w = torch.randn(40, 64).to(BF16)
     if not TILES:
         with pytest.raises(RuntimeError, match="neither AMX-BF16 tiles nor AVX512-BF16 pairs"):

@@ -7,8 +7,9 @@
   weights (`models.layers.CPULayerOps.linear`).
 - `int4_linear.cpp`: the same over int4 weights, with float activations
   (`models.quantization`).
-- `tile_linear.cpp`: bf16 linear layers on AMX tiles, over weights packed into the tiles'
-  layout (`models.tile_linear`); only where the CPU and compiler have AMX-BF16.
+- `tile_linear.cpp`: bf16 linear layers over weights packed into AMX's tile layout
+  (`models.tile_linear`), on the tile unit or with AVX512-BF16's pair product; only where the
+  CPU and compiler have one of them.
 - `argmax.cpp`: each row's first largest value, greedy sampling's pick (`workers.sampling`).
 - `vec.h`: what the vectorised ones share (the vector type, widening loads, a lane sum).
 
@@ -94,7 +95,8 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
 def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
     `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`, `small_linear`, `small_linear_max_rows`,
-    `amx_tiles`, `tile_pack`, `tile_linear`, `int4_linear`, `argmax_rows`), or
+    `amx_tiles`, `tile_linear_engine`, `tile_pack`, `tile_linear`, `int4_linear`, `argmax_rows`),
+    or
     None where it cannot be built here."""
     started = time.perf_counter()
     try:

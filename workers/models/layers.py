@@ -7,8 +7,9 @@ each costing more to dispatch than to compute: a tenth to a sixth of a CPU decod
 `CPULayerOps` runs each as one pass of prefixserve's CPU kernels (`workers.kernels`), a plain
 linear layer at a few rows through the small-row kernel where it measured faster than BLAS
 (`workers.models.small_linear`), and at more rows over oneDNN's packed copy of its weight where
-that measured faster than torch's linear (`workers.models.packed_linear`), or in bf16 on a CPU
-with AMX on tiles where those measured faster still (`workers.models.tile_linear`); `LayerOps`
+that measured faster than torch's linear (`workers.models.packed_linear`), or in bf16 over
+tile weights (AMX, or AVX512-BF16's pairs) where those measured faster still
+(`workers.models.tile_linear`); `LayerOps`
 is the torch version, for every other device and dtype and where the kernels cannot be built. Both
 round where HF's Llama rounds, so they compute the same model.
 """
@@ -88,17 +89,18 @@ class CPULayerOps(LayerOps):
         self.kernels = kernels
         self.small_rows = small_rows  # linear layers at 1 to this many rows: the kernel's
         self.packed = packed  # more rows over packed weights, at the counts it covers
-        self.tiles = tiles  # bf16 on AMX tiles, at the counts it covers, before either
+        self.tiles = tiles  # bf16 over tile weights, at the counts it covers, before either
 
     def linear(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A plain linear layer, and a quantized one at more rows than its packed kernel takes,
         multiply by their dense weight as `dense` does; anything else through its forward."""
-        if type(layer) is QuantizedLinear and x.shape[0] > layer.packed_rows:
+        if type(layer) is nn.Linear or (type(layer) is QuantizedLinear
+                                        and x.shape[0] > layer.packed_rows):
             return self.dense(layer, x)
-        return self.dense(layer, x) if type(layer) is nn.Linear else layer(x)
+        return layer(x)
 
     def dense(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """Rows of the weight's dtype go on AMX tiles at the row counts where they measured
+        """Rows of the weight's dtype go over tile weights at the row counts where they measured
         faster, else through the small-row kernel at a few contiguous ones, over the packed
         weight at the row counts where packing measured faster; anything else through torch's
         linear."""

@@ -63,7 +63,7 @@ def timed_count(rows: int) -> int:
 class PackedWeights:
     """Each layer's packed copy, made on its first use and made again if its weight has since
     been replaced or written in place (a load, an adapter merged); and the row counts it is
-    used at. ``pack``: the layout (oneDNN's by default; `models.tile_linear`'s AMX tiles)."""
+    used at. ``pack``: the layout (oneDNN's by default; `models.tile_linear`'s tiles)."""
 
     def __init__(self, counts: frozenset[int],
                  pack: Callable[[torch.Tensor], torch.Tensor] = pack) -> None:

@@ -1,6 +1,6 @@
 // The Python module of prefixserve's CPU kernels: paged_decode.cpp (decode attention),
 // layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows),
-// tile_linear.cpp (bf16 matmuls on AMX tiles), int4_linear.cpp (over int4 weights) and argmax.cpp
+// tile_linear.cpp (bf16 matmuls over tile weights), int4_linear.cpp (over int4 weights) and argmax.cpp
 // (greedy sampling's pick).
 #include <torch/extension.h>
 
@@ -62,7 +62,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("tile_linear_engine") = tile_linear_engine();
   m.def("tile_pack", &tile_pack, "w [N, K] bfloat16 -> its copy in AMX tiles' layout", no_gil);
   m.def("tile_linear", &tile_linear,
-        "x [M, K] bfloat16, w packed by tile_pack, N -> x w^T + bias [M, N], on AMX tiles",
+        "x [M, K] bfloat16, w packed by tile_pack, N -> x w^T + bias [M, N] (AMX or pairs)",
         no_gil, py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bias") = py::none());
   m.def("int4_linear", &int4_linear,
         "x [M, K], int4 weights packed [N, K / 2] with (scale, offset) per 32 inputs -> [M, N]",
