@@ -5,7 +5,9 @@ A worker reports its slots through Serve's ``record_routing_stats`` (:class:`Slo
 adapters, least recently used first, their number, its smoothed load time). A router adds what
 it sent the worker since that report, which the worker loads as it admits them, so a burst for
 one adapter converges on the worker that took the first request instead of loading it
-everywhere. Pure: no Ray, no I/O.
+everywhere. A send just before a report may not have reached the worker when the report was
+taken, so a report that lacks it overrules it only once ``_SETTLE_S`` have passed since the send.
+Pure: no Ray, no I/O.
 
 Price of a request for adapter ``a`` on worker ``w`` (seconds, added to the cost model's):
 
@@ -27,6 +29,7 @@ from typing import Any
 REPORT_KEY = "loras"  # its key in the routing stats
 _SENT_TTL_S = 30.0  # a send the worker has not reported by then is forgotten
 _MAX_SENT = 64  # per worker
+_SETTLE_S = 5.0  # a report this long after a send that lacks the adapter means it was evicted
 
 
 @dataclass(frozen=True)
@@ -71,14 +74,19 @@ class AdapterSlots:
             self.sent[worker] = [(t, a) for t, a in sent[-_MAX_SENT:] if now - t <= _SENT_TTL_S]
 
     def resident(self, worker: str, report: SlotReport | None, now: float) -> list[str]:
-        """The adapters ``worker`` holds once what this router sent since ``report`` is loaded:
-        the most recently used ``max_loras`` of them (one slot when it never reported)."""
+        """The adapters ``worker`` holds once what this router sent since ``report`` is loaded,
+        or sent so shortly before it that it may still have been on its way: the most recently
+        used ``max_loras`` of them (one slot when it never reported)."""
         since = report.at if report is not None else float("-inf")
         order = list(report.resident) if report is not None else []
         for t, adapter in self.sent.get(worker, ()):
-            if t > since and now - t <= _SENT_TTL_S:
+            if now - t > _SENT_TTL_S:
+                continue
+            if t > since:
                 if adapter in order:
                     order.remove(adapter)
+                order.append(adapter)
+            elif since - t < _SETTLE_S and adapter not in order:
                 order.append(adapter)
         return order[-(report.max_loras if report is not None else 1):]
 

@@ -38,8 +38,7 @@ def test_a_malformed_report_is_no_report(raw: object) -> None:
 def test_resident_adds_this_routers_sends_since_the_report_most_recent_last() -> None:
     slots = AdapterSlots()
     t = 1000.0  # the report's time
-    slots.note("w", "old", now=t - 1)  # before the report: the report already tells
-    slots.note("w", "then", now=t)  # as it was taken: likewise
+    slots.note("w", "b", now=t - 1)  # before the report, which holds it: the report tells
     slots.note("w", "c", now=t + 1)
     slots.note("w", "a", now=t + 2)
     got = slots.resident("w", SlotReport.of(report("a", "b", max_loras=3, at=t)), now=t + 3)
@@ -52,6 +51,23 @@ def test_resident_adds_this_routers_sends_since_the_report_most_recent_last() ->
     assert slots.resident("w", None, now=t + 33) == []  # past 30 s: forgotten
     assert slots.resident("other", None, now=t + 3) == []
     assert SlotReport.of(report("a", max_loras=1)).max_loras == 1
+
+
+def test_a_report_that_lacks_a_send_overrules_it_only_5_s_after_it() -> None:
+    """The request may not have reached the worker when the report was taken (the race that
+    once sent a second adapter to the worker the first had just taken); a report taken 5 s or
+    more after the send that still lacks the adapter means the worker has evicted it."""
+    slots = AdapterSlots()
+    slots.note("w", "x", now=100.0)
+    for at, held in [(99.0, ["y", "x"]), (100.0, ["y", "x"]), (104.9, ["y", "x"]),
+                     (105.0, ["y"]), (110.0, ["y"])]:
+        got = slots.resident("w", SlotReport.of(report("y", max_loras=2, at=at)), now=at + 0.1)
+        assert got == held, at
+    got = slots.resident("w", SlotReport.of(report("x", "y", max_loras=2, at=101.0)), now=102.0)
+    assert got == ["x", "y"]  # the report holds it: its order stands
+    got = slots.resident("w", SlotReport.of(report("x", "y", max_loras=2, at=100.0)), now=101.0)
+    assert got == ["x", "y"]  # likewise for a report taken as it was sent
+    assert slots.resident("w", SlotReport.of(report("y", at=101.0)), now=130.5) == ["y"]
 
 
 def test_old_sends_are_dropped_and_recent_ones_kept() -> None:
