@@ -19,7 +19,7 @@ from test_sampling import check_argmax
 from test_small_linear import check_small_linear, measured_once
 from test_tile_linear import check_tile_linear
 
-from prefixserve.workers.attention import kv_reads, registry
+from prefixserve.workers.attention import k_pairs, kv_reads, registry
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.kv_reads import KVReads
 from prefixserve.workers.attention.metadata import AttentionMetadata
@@ -65,9 +65,10 @@ def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
     return q, k, v, k_cache, v_cache, meta, tables
 
 
-# each way to compute scores this build has (AMX tiles: bf16, where the CPU has them; fp32 rows
-# asked for them take lane sums), and each count of V rows per pass
-SCORES = [*kv_reads.SCORES][:3 if KERNEL is not None and KERNEL.amx_tiles else 2]
+# each way to compute scores this build has for bf16 (AMX tiles where the CPU has them, K in
+# pairs where it has AVX512-BF16; fp32 asked for either takes lane sums), and each count of V
+# rows per pass
+SCORES = [*kv_reads.scores_offered(KERNEL, torch.bfloat16)] if KERNEL else ["lanes", "tiles"]
 READS = [KVReads(0, "t0", scores, v_rows) for scores in SCORES for v_rows in kv_reads.V_ROWS]
 
 
@@ -92,7 +93,11 @@ def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
     backend = CPUPagedBackend(kernel)
     if reads is not None:
         backend.reads[dtype] = reads
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    paired = backend.k_layout(dtype, BS, dim, heads) == "pairs"
+    assert paired == (dtype == torch.bfloat16 and backend.reads[dtype].scores == "pairs")
+    stored = k_pairs.to_pairs(k_cache) if paired else k_cache
+    out = backend.forward(q, k, v, stored, v_cache, meta, scale)
+    k_cache = k_pairs.to_rows(stored) if paired else stored  # with the new rows
     assert out.shape == (len(ctx_lens), heads * dim) and out.dtype == dtype
     for i, ctx in enumerate(ctx_lens):
         want = referee(q[i], k_cache, v_cache, tables[i], ctx, scale)
@@ -120,7 +125,11 @@ def test_a_decode_step_stores_its_kv_where_the_slot_mapping_says(dtype) -> None:
     stores by the slot mapping."""
     step = ([1, BS, BS + 1, 37, 64], 9, 3, 64, dtype)
     q, k, v, got_k, got_v, meta, _ = decode_step(*step)
-    got = CPUPagedBackend(KERNEL).forward(q, k, v, got_k, got_v, meta, 0.125)
+    backend = CPUPagedBackend(KERNEL)
+    paired = backend.k_layout(dtype, BS, 64, 9) == "pairs"  # as measured here
+    stored = k_pairs.to_pairs(got_k) if paired else got_k
+    got = backend.forward(q, k, v, stored, got_v, meta, 0.125)
+    got_k = k_pairs.to_rows(stored) if paired else stored
     q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
     before = k_cache.clone()
     want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
@@ -175,6 +184,12 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
     gives the same bits, and the cache the same stored rows."""
     step = ([1, 5, BS, 2 * BS + 3, 70], 9, 3, 64, dtype)
     outs = []
+    if reads.scores == "pairs" and dtype == torch.float32:
+        q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
+        with pytest.raises(RuntimeError, match="K in pairs needs bf16, a head size in 4s"):
+            KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                0.125, k, v, 0, 3, reads.scores_code, reads.v_rows)
+        return
     for ahead, hint in [(0, "t0"), (1, "t0"), (4, "nta"), (32, "t0"), (32, "t1"), (32, "nta"),
                         (1000, "nta")]:
         q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
@@ -190,7 +205,7 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
                             None, None, -1)
     for args, error in [((0, 3, 0, 2), "v_rows must be 1 or 4, not 2"),
                         ((0, 1, 0, 1), "hint must be 0, 2 or 3, not 1"),
-                        ((0, 3, 3, 1), "scores must be 0, 1 or 2, not 3")]:
+                        ((0, 3, 4, 1), "scores must be 0 to 3, not 4")]:
         with pytest.raises(RuntimeError, match=error):
             KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
                                 None, None, *args)
@@ -198,6 +213,10 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
         with pytest.raises(RuntimeError, match="no AMX-BF16 tiles"):
             KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
                                 None, None, 0, 3, 2, 1)
+    if not KERNEL.k_pairs:
+        with pytest.raises(RuntimeError, match="K in pairs needs AVX512-BF16"):
+            KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
+                                None, None, 0, 3, 3, 1)
 
 
 @needs_kernel
@@ -239,9 +258,11 @@ def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog)
             (kv_reads.AHEAD_ENV, "far", "whole number of rows up to 1048576, not 'far'"),
             (kv_reads.AHEAD_ENV, "99999999999999999999", "not '99999999999999999999'"),
             (kv_reads.HINT_ENV, "t2", "must be one of t0, t1, nta, not 't2'"),
-            (kv_reads.SCORES_ENV, "yes", r"must be one of lanes, tiles, amx \(amx: bf16 on a CPU "
-                                         r"with AMX\), not 'yes'"),
+            (kv_reads.SCORES_ENV, "yes", r"must be one of lanes, tiles, amx, pairs \(amx: bf16 "
+                                         r"on a CPU with AMX; pairs: bf16 on a CPU with "
+                                         r"AVX512-BF16\), not 'yes'"),
             (kv_reads.SCORES_ENV, "amx", "not 'amx'"),  # fp32 has no AMX scores
+            (kv_reads.SCORES_ENV, "pairs", "not 'pairs'"),  # nor K in pairs
             (kv_reads.V_ROWS_ENV, "2", "must be one of 1, 4, not '2'")]:
         with monkeypatch.context() as m:
             m.setenv(env, value)
@@ -263,6 +284,7 @@ def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog)
     assert "32 ahead (nta), scores: tiles, 4 V rows" in caplog.text
     assert "32 ahead (t1), scores: lanes, 1 V rows" in caplog.text
     assert ("scores: amx" in caplog.text) == KERNEL.amx_tiles
+    assert ("scores: pairs" in caplog.text) == KERNEL.k_pairs
     # each choice timed once, none ahead once per way of scores and V rows
     assert caplog.text.count(" ms with ") == 2 + 4 * len(SCORES) * len(kv_reads.V_ROWS)
 
@@ -362,9 +384,11 @@ def test_the_kernels_built_for_narrower_vectors_match_their_referees(arch, width
     kernel = build._build(f"cpu_kernels_{arch.replace('-', '_')}", build.source_files(),
                           tmp_path)
     assert kernel.vector_width == width
+    assert kernel.k_pairs == (arch == "cooperlake")
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for (heads, kvh, dim), scores, v_rows in itertools.product(
-                [(9, 3, 64), (4, 4, 24), (4, 1, 128)], ("lanes", "tiles"), kv_reads.V_ROWS):
+                [(9, 3, 64), (4, 4, 24), (4, 1, 128)],
+                kv_reads.scores_offered(kernel, torch.bfloat16), kv_reads.V_ROWS):
             assert_matches_referee(kernel, [1, BS, BS + 1, 100], heads, kvh, dim, dtype, tol,
                                    KVReads(0, "t0", scores, v_rows))
     check_every_op(kernel)

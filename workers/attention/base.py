@@ -24,6 +24,12 @@ class AttentionBackend(ABC):
         """What the backend measures or builds for the model's dtype, done at start rather than
         in the first step."""
 
+    def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+        """How K is ordered within a block: `rows` (position-major, as the tensor's shape
+        reads), or `pairs` (`attention.k_pairs`). Whole blocks move the same either way; a KV
+        file on disk records it."""
+        return "rows"
+
     @abstractmethod
     def forward(
         self,

@@ -7,7 +7,8 @@ the kernel also stores the new K/V rows and reads q, k and v as views of the fus
 output, so a layer's attention is one call. Prefill chunks carry many query rows, where SDPA's
 kernel is already efficient, so they keep the torch backend's path. How the kernel reads K/V
 (rows asked for ahead and how, how scores are computed, V rows per pass) is measured per dtype
-(`attention.kv_reads`).
+(`attention.kv_reads`); where the fastest reads K laid out in pairs (`attention.k_pairs`), this
+backend stores and gathers K in that order.
 """
 
 from __future__ import annotations
@@ -17,15 +18,16 @@ from types import ModuleType
 
 import torch
 
+from prefixserve.workers.attention import k_pairs
 from prefixserve.workers.attention.base import AttentionBackend
-from prefixserve.workers.attention.kv_reads import KVReads, kv_reads
+from prefixserve.workers.attention.kv_reads import SCORES, KVReads, kv_reads
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import (
     Prefill,
     TorchSDPABackend,
     prefill_into,
     prefill_plans,
-    store_kv,
+    store_rows,
 )
 
 
@@ -63,6 +65,14 @@ class CPUPagedBackend(AttentionBackend):
         if dtype not in self.reads:
             self.reads[dtype] = kv_reads(self.kernel, dtype)
 
+    def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+        """`pairs` where the measured reads take K in pairs and the kernel takes the shape."""
+        self.prepare(dtype)
+        paired = (dtype == torch.bfloat16 and self.reads[dtype].scores == "pairs"
+                  and k_pairs.fits(block_size, head_dim) and head_dim <= self.kernel.max_head_dim
+                  and heads <= self.kernel.max_heads)
+        return "pairs" if paired else "rows"
+
     def forward(
         self,
         q: torch.Tensor,
@@ -79,19 +89,25 @@ class CPUPagedBackend(AttentionBackend):
         if meta.backend_state is None:
             meta.backend_state = PagedPlan.make(meta, k_cache.shape[1], q.dtype)
         plan: PagedPlan = meta.backend_state
-        self.prepare(q.dtype)
+        paired = self.k_layout(q.dtype, k_cache.shape[1], dim, heads) == "pairs"
         reads = self.reads[q.dtype]
+        # reads measured with K in pairs, on a shape that does not take them: lane sums
+        scores = SCORES["lanes"] if reads.scores == "pairs" and not paired else reads.scores_code
         if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
             return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
-                                            k, v, reads.ahead, reads.hint_code,
-                                            reads.scores_code, reads.v_rows).view(t, -1)
-        store_kv(k, v, k_cache, v_cache, meta)
+                                            k, v, reads.ahead, reads.hint_code, scores,
+                                            reads.v_rows).view(t, -1)
+        if paired:
+            k_pairs.store(k, k_cache, meta.slot_mapping)
+        else:
+            store_rows(k, k_cache, meta.slot_mapping)
+        store_rows(v, v_cache, meta.slot_mapping)
         out = q.new_empty(t, heads * dim)
         if plan.rows.numel():
             o = self.kernel.paged_decode(q.index_select(0, plan.rows), k_cache, v_cache,
                                          plan.tables, plan.lens, scale, None, None,
-                                         reads.ahead, reads.hint_code, reads.scores_code,
-                                         reads.v_rows)
+                                         reads.ahead, reads.hint_code, scores, reads.v_rows)
             out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
-        prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale)
+        prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale,
+                     k_pairs.gather if paired else None)
         return out

@@ -1,6 +1,7 @@
 """How the CPU paged-decode kernel reads K/V, measured: how far ahead it asks for rows and with
-which hint, how it computes scores (lane sums per position, vector tiles of positions, or AMX
-tiles), and how many V rows it adds into each accumulator per pass.
+which hint, how it computes scores (lane sums per position, vector tiles of positions, AMX
+tiles, or pair products over K laid out in pairs), and how many V rows it adds into each
+accumulator per pass.
 
 Each depends on the CPU, not on the model:
 - On an Intel Xeon the hardware's prefetcher alone kept rows arriving at about half the rate a
@@ -13,12 +14,18 @@ Each depends on the CPU, not on the model:
 - On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
   measured slower; asking into L2 (prefetcht1) and scores on AMX tiles came within a few percent
   of the old way from memory (the tiles cut the scores' work by two-fifths in cache).
+- On an AMD EPYC (Zen 4), K laid out in pairs (`attention.k_pairs`; bf16 on a CPU with
+  AVX512-BF16) cut bf16 attention at 32 streams by a fifth from memory against the best of the
+  others (lane sums there: score tiles were slower).
 
 So each process times every combination once per dtype and thread count, over caches larger
 than the caches of most server CPUs, and keeps the fastest. ``PREFIXSERVE_KV_PREFETCH_ROWS``
 pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0``, ``t1`` or
-``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles`` or ``amx``: bf16 only, on
-a CPU with AMX) and ``PREFIXSERVE_KV_V_ROWS`` the V rows (1 or 4); what is pinned is not timed.
+``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles``, ``amx``: bf16 on a CPU
+with AMX, or ``pairs``: bf16 on a CPU with AVX512-BF16) and ``PREFIXSERVE_KV_V_ROWS`` the V
+rows (1 or 4);
+what is pinned is not timed. The choice is made once, at start, before any K is stored: with
+``pairs`` the backend stores K in that order for the process's life.
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ ENVS = (AHEAD_ENV, HINT_ENV, SCORES_ENV, V_ROWS_ENV)
 AHEADS = (0, 32)  # rows: 32 is 12 KB of a small model's bf16 K/V
 HINTS = {"t0": 3, "t1": 2, "nta": 0}  # the prefetch hint's name: its locality, the kernel's code
 V_ROWS = (1, 4)  # what the kernel is compiled for
-SCORES = {"lanes": 0, "tiles": 1, "amx": 2}  # the kernel's code for each way to compute scores
+SCORES = {"lanes": 0, "tiles": 1, "amx": 2, "pairs": 3}  # the kernel's code for each
 MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
 PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
@@ -57,7 +64,7 @@ PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, h
 class KVReads:
     ahead: int  # rows asked for ahead of their use (0: none)
     hint: str  # of HINTS: into every cache level, into L2, or as data read once
-    scores: str  # of SCORES: lane sums per position, vector tiles of positions, AMX tiles
+    scores: str  # of SCORES: lane sums, vector tiles of positions, AMX tiles, K in pairs
     v_rows: int  # V rows added into each accumulator per pass
 
     @property
@@ -79,10 +86,10 @@ def kv_reads(kernel: ModuleType, dtype: torch.dtype) -> KVReads:
                      lambda p: int(p) if p.isdigit() and int(p) <= MAX_PINNED else None)
     hints = _pinned(HINT_ENV, tuple(HINTS), f"one of {', '.join(HINTS)}",
                     lambda p: p if p in HINTS else None)
-    amx = dtype == torch.bfloat16 and getattr(kernel, "amx_tiles", False)
-    scores = _pinned(SCORES_ENV, tuple(SCORES)[:3 if amx else 2],
-                     f"one of {', '.join(SCORES)} (amx: bf16 on a CPU with AMX)",
-                     lambda p: p if p in SCORES and (p != "amx" or amx) else None)
+    offered = scores_offered(kernel, dtype)
+    scores = _pinned(SCORES_ENV, offered,
+                     f"one of {', '.join(SCORES)} (amx: bf16 on a CPU with AMX; pairs: bf16 on "
+                     "a CPU with AVX512-BF16)", lambda p: p if p in offered else None)
     v_rows = _pinned(V_ROWS_ENV, V_ROWS, f"one of {', '.join(map(str, V_ROWS))}",
                      {str(n): n for n in V_ROWS}.get)
     # With nothing asked ahead the hint means nothing: one choice, not one per hint.
@@ -91,6 +98,13 @@ def kv_reads(kernel: ModuleType, dtype: torch.dtype) -> KVReads:
     if len(choices) == 1:
         return choices[0]
     return _measured(kernel, dtype, torch.get_num_threads(), tuple(choices))
+
+
+def scores_offered(kernel: ModuleType, dtype: torch.dtype) -> tuple[str, ...]:
+    """The ways to compute scores this kernel has for `dtype` caches."""
+    bf16 = dtype == torch.bfloat16
+    return ("lanes", "tiles", *(("amx",) if bf16 and kernel.amx_tiles else ()),
+            *(("pairs",) if bf16 and kernel.k_pairs else ()))
 
 
 def _pinned(env: str, choices: tuple[T, ...], what: str,

@@ -10,6 +10,7 @@ become the "query length" axis; for prefill SDPA's `enable_gqa` does the groupin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -151,16 +152,23 @@ def store_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Write the step's new K/V rows into their slots."""
-    kvh, dim = k_cache.shape[2:]
-    k_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kvh, dim).index_copy_(0, meta.slot_mapping, v)
+    store_rows(k, k_cache, meta.slot_mapping)
+    store_rows(v, v_cache, meta.slot_mapping)
+
+
+def store_rows(x: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write new rows x [T, kvh, D] at their slots of a position-major K or V cache."""
+    kvh, dim = cache.shape[2:]
+    cache.view(-1, kvh, dim).index_copy_(0, slots, x)
 
 
 def prefill_into(
     out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, prefills: list[Prefill], scale: float,
+    gather_k: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> None:
-    """Each prefill chunk's attention, one SDPA call per sequence, into its rows of `out`."""
+    """Each prefill chunk's attention, one SDPA call per sequence, into its rows of `out`.
+    `gather_k` reads a cached prefix's K where K is not position-major."""
     heads, dim = q.shape[1:]
     for p in prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -168,7 +176,7 @@ def prefill_into(
             kp = k[p.start : p.end].transpose(0, 1).unsqueeze(0)
             vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
         else:
-            kp = _gather(k_cache, p.blocks, p.context_len)
+            kp = (gather_k or _gather)(k_cache, p.blocks, p.context_len)
             vp = _gather(v_cache, p.blocks, p.context_len)
         o = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,

@@ -15,6 +15,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 int64_t paged_decode_max_head_dim();
 int64_t paged_decode_max_heads();
 int64_t vector_width();
+bool paged_decode_k_pairs();
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
@@ -49,6 +50,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("max_head_dim") = paged_decode_max_head_dim();
   m.attr("max_heads") = paged_decode_max_heads();
   m.attr("vector_width") = vector_width();
+  m.attr("k_pairs") = paged_decode_k_pairs();
   m.def("rms_norm", &rms_norm, "x [rows, dim] -> RMSNorm(x) * weight, a new tensor", no_gil);
   m.def("add_rms_norm_", &add_rms_norm_,
         "In place: residual += x, then x = RMSNorm(residual) * weight; returns x", no_gil);

@@ -12,6 +12,12 @@
 //   (a block of 16 or a multiple of 16 positions; other shapes fall back to lane sums). On an
 //   Intel Xeon with AMX that cut pass 1's work in cache by two-fifths, and came within a few
 //   percent of lane sums from memory: the caller measures which.
+// - With `scores` = 3 (bf16 with AVX512-BF16), K is laid out in pairs within each block
+//   ([kv_heads, dim / 2, block_size, 2]: see k_pair_at; the caller stores it so), where one
+//   64-byte vector holds 16 positions' values of one pair of a head's dims, the shape the pair
+//   product takes: pass 1 multiplies it by that pair of each query head, broadcast, and has 16
+//   positions' scores with no sum across lanes. On an AMD EPYC (Zen 4) that cut bf16 attention
+//   at 32 streams by a fifth from memory and by a third in cache: the caller measures which.
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
@@ -176,6 +182,72 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* o
 }
 #endif
 
+// Where K's value (position o of a block, KV head h, dim d) sits within the block when K is laid
+// out in pairs: [kv_heads, dim / 2, block_size, 2], so that 16 positions' values of one pair of
+// a head's dims are one 64-byte vector, in the shape the pair product takes.
+inline int64_t k_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
+  return (h * s.dim + d - d % 2) * s.block_size + o * 2 + d % 2;
+}
+
+constexpr int64_t PAIR_POS = 16;  // positions per vector: 16 pairs of bf16
+
+bool pairs_fit(const Shape& s) { return s.dim % 4 == 0 && s.block_size % PAIR_POS == 0; }
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+constexpr int64_t MAX_GROUP = 8;  // query heads per pass (2 sums each in registers)
+
+// G query heads' scores at 16 positions of one KV head: `k` the block's pairs of that head from
+// the tile's first position, `q` the first query head's pairs; two sums per head (even and odd
+// pairs) so that the adds do not wait on each other.
+template <int64_t G>
+inline void pair_scores(const at::BFloat16* k, const int32_t* q, int64_t q_step, int64_t pairs,
+                        int64_t block_size, float scale, float* out, int64_t len, int64_t n) {
+  __m512 a[G][2];
+  for (int64_t j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p += 2) {
+    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k + p * block_size * 2);
+    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(k + (p + 1) * block_size * 2);
+    for (int64_t j = 0; j < G; ++j) {
+      a[j][0] = _mm512_dpbf16_ps(a[j][0], (__m512bh)_mm512_set1_epi32(q[j * q_step + p]), k0);
+      a[j][1] = _mm512_dpbf16_ps(a[j][1], (__m512bh)_mm512_set1_epi32(q[j * q_step + p + 1]), k1);
+    }
+  }
+  const __mmask16 m = n == PAIR_POS ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  for (int64_t j = 0; j < G; ++j)
+    _mm512_mask_storeu_ps(out + j * len, m,
+                          _mm512_mul_ps(_mm512_add_ps(a[j][0], a[j][1]), _mm512_set1_ps(scale)));
+}
+
+// Pass 1 over K in pairs: each block's positions 16 at a time, each KV head's query heads up to
+// 8 at a time, one pair product per pair of dims.
+void scores_pairs(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* blocks,
+                  const int64_t* offs, int64_t len, const at::BFloat16* q, float scale,
+                  float* scores, const Shape& s, int64_t ahead, int64_t hint) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim, pairs = s.dim / 2;
+  const int32_t* qp = reinterpret_cast<const int32_t*>(q);
+  for (int64_t t = 0; t < len; t += PAIR_POS) {
+    const int64_t n = std::min(PAIR_POS, len - t);
+    for (int64_t pos = t; pos < t + n; ++pos)  // the blocks' bytes in order, as rows would be
+      ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
+    const at::BFloat16* base =
+        kc + blocks[t / s.block_size] * s.block_size * row + (t % s.block_size) * 2;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const at::BFloat16* k = base + h * s.dim * s.block_size;
+      for (int64_t j = 0; j < group; j += MAX_GROUP) {
+        const int64_t r = h * group + j;
+        const int32_t* qr = qp + r * pairs;
+        float* out = scores + r * len + t;
+        switch (std::min(MAX_GROUP, group - j)) {
+#define G(N) case N: pair_scores<N>(k, qr, pairs, pairs, s.block_size, scale, out, len, n); break;
+          G(1) G(2) G(3) G(4) G(5) G(6) G(7) G(8)
+#undef G
+        }
+      }
+    }
+  }
+}
+#endif
+
 // One sequence: q [heads, dim] -> out [heads, dim]. The next sequence's table and length (or
 // null and 0) say whose rows to ask for once this one's have all been.
 template <typename T, int64_t chunks, bool exact, int64_t v_rows>
@@ -198,13 +270,19 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     if (amx) scores_amx(kc, vc, offs, len, q, scale, scores, s, w.pairs.data(), ahead, hint);
   }
 #endif
+  const bool k_pairs = mode == 3;  // run() passes 3 only for bf16 caches laid out in pairs
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (k_pairs) scores_pairs(kc, vc, blocks, offs, len, q, scale, scores, s, ahead, hint);
+  }
+#endif
   const bool tiles = mode == 1;
   constexpr bool pairs = BF16_PAIRS && std::is_same_v<T, at::BFloat16> && exact && chunks % 2 == 0;
   Vec qv[MAX_HEADS * chunks];
   for (int64_t r = 0; r < s.heads; ++r)
     for (int64_t c = 0; c < chunks; ++c)
       qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
-  for (int64_t t = 0; !amx && t < len; t += L) {
+  for (int64_t t = 0; !amx && !k_pairs && t < len; t += L) {
     const int64_t n = std::min(L, len - t);
     for (int64_t pos = t; pos < t + n; ++pos) {
       ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
@@ -358,6 +436,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #else
   if (mode == 2) mode = 0;
 #endif
+  TORCH_CHECK(mode != 3 || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
+              "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
   // One task per sequence: it stores its new K/V row (the last position of its table, a block
   // no other sequence holds), then reads each K/V row whole. (Splitting a lone sequence by KV
   // head across threads measured slower on the 2-vCPU machines this was written on.)
@@ -372,7 +452,14 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       const int64_t* blocks = tables + i * s.table_width;
       if (knp != nullptr) {
         const int64_t slot = row_at(blocks, lens[i] - 1, s, row);
-        std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
+        if (mode == 3) {
+          const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
+          for (int64_t h = 0; h < s.kv_heads; ++h)
+            for (int64_t d = 0; d < s.dim; ++d)
+              kp[base + k_pair_at(o, h, d, s)] = knp[i * k_step + h * s.dim + d];
+        } else {
+          std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
+        }
         std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
       }
       const bool more = i + 1 < end;
@@ -395,8 +482,10 @@ bool amx_tiles();  // tile_linear.cpp
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
 // last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), with
 // `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a
-// tile of positions at a time (1), or on AMX tiles (2; bf16 where the shape fits, lane sums
-// elsewhere); `v_rows`: V rows added per pass over the accumulators (1 or 4).
+// tile of positions at a time (1), on AMX tiles (2; bf16 where the shape fits, lane sums
+// elsewhere), or from K laid out in pairs (3; bf16, head size in 4s, blocks in 16s: k_cache
+// holds it so, and k_new is stored so); `v_rows`: V rows added per pass over the accumulators
+// (1 or 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -418,8 +507,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(hint == 0 || hint == 2 || hint == 3, "paged_decode: hint must be 0, 2 or 3, not ",
               hint);
   TORCH_CHECK(v_rows == 1 || v_rows == 4, "paged_decode: v_rows must be 1 or 4, not ", v_rows);
-  TORCH_CHECK(scores >= 0 && scores <= 2, "paged_decode: scores must be 0, 1 or 2, not ", scores);
+  TORCH_CHECK(scores >= 0 && scores <= 3, "paged_decode: scores must be 0 to 3, not ", scores);
   TORCH_CHECK(scores != 2 || amx_tiles(), "paged_decode: this build or CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(scores != 3 || BF16_PAIRS, "paged_decode: K in pairs needs AVX512-BF16");
   if (k_new) {
     TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
                     k_new->size(0) == q.size(0) && v_new->size(0) == q.size(0),
@@ -444,3 +534,4 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 int64_t paged_decode_max_head_dim() { return MAX_CHUNKS * L; }
 int64_t paged_decode_max_heads() { return MAX_HEADS; }
 int64_t vector_width() { return L; }
+bool paged_decode_k_pairs() { return BF16_PAIRS; }

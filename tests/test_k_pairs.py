@@ -1,0 +1,139 @@
+"""K laid out in pairs within each block (workers/attention/k_pairs.py): its store and gather
+against the position-major cache's, the kernel's decode and the backend's mixed steps over it,
+and an engine that chose it, in bf16, against transformers through prefix hits, chunked
+prefill, preemption and both KV tiers."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_attention_kernel import KERNEL
+from test_engine import assert_agrees_teacher_forced, prompts, write_checkpoint
+
+from prefixserve.router.sampling_params import SamplingParams
+from prefixserve.workers.attention import k_pairs, kv_reads
+from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
+from prefixserve.workers.attention.kv_reads import KVReads
+from prefixserve.workers.attention.metadata import AttentionMetadata
+from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend, _gather, store_rows
+from prefixserve.workers.engine import LLMEngine
+from prefixserve.workers.engine_types import EngineConfig
+from prefixserve.workers.kv_tiers.disk import LAYOUT_FILE
+
+BF16 = torch.bfloat16
+needs_pairs = pytest.mark.skipif(KERNEL is None or not KERNEL.k_pairs,
+                                 reason="no AVX512-BF16 pair products in this build")
+
+
+def test_store_and_gather_agree_with_the_position_major_cache() -> None:
+    """Rows stored in pairs and read back are the rows stored position-major; the two layouts
+    convert into each other; only whole 16-position vectors of pairs of dims are taken."""
+    g = torch.Generator().manual_seed(3)
+    nb, bs, kvh, dim = 6, 32, 3, 8
+    rows = torch.randn(nb, bs, kvh, dim, generator=g).to(BF16)
+    pairs = k_pairs.to_pairs(rows)
+    assert pairs.shape == rows.shape and not torch.equal(pairs, rows)
+    assert torch.equal(k_pairs.to_rows(pairs), rows)
+    within = pairs.view(nb, kvh, dim // 2, bs, 2)  # each block's order
+    assert within[2, 1, 3, 17].tolist() == rows[2, 17, 1, 6:8].tolist()
+    slots = torch.tensor([5, 40, 191, 64, 0])
+    new = torch.randn(5, kvh, dim, generator=g).to(BF16)
+    store_rows(new, rows, slots)
+    k_pairs.store(new, pairs, slots)
+    assert torch.equal(k_pairs.to_rows(pairs), rows)
+    for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
+        blocks = torch.tensor(blocks)
+        assert torch.equal(k_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
+    assert k_pairs.fits(16, 64) and k_pairs.fits(32, 4)
+    assert not k_pairs.fits(8, 64) and not k_pairs.fits(16, 6)
+
+
+@needs_pairs
+def test_a_mixed_step_over_k_in_pairs_prefills_as_sdpa_does() -> None:
+    """Decode rows and prefill chunks (one with a cached prefix, read back from the pairs) in
+    one step: the prefill rows equal the torch backend's over the position-major cache
+    exactly, the decode rows within bf16 rounding, and the caches hold the same rows."""
+    heads, kvh, dim, bs = 8, 2, 32, 16
+    q_lens, ctx_lens = [1, 7, 1, 20, 1], [40, 7, 17, 52, 3]
+    tables = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
+    g = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(12, bs, kvh, dim, generator=g).to(BF16)
+    v_cache = torch.randn(12, bs, kvh, dim, generator=g).to(BF16)
+    t = sum(q_lens)
+    q = torch.randn(t, heads, dim, generator=g).to(BF16)
+    k, v = (torch.randn(t, kvh, dim, generator=g).to(BF16) for _ in range(2))
+    backend = CPUPagedBackend(KERNEL)
+    backend.reads[BF16] = KVReads(32, "t1", "pairs", 4)
+    assert backend.k_layout(BF16, bs, dim, heads) == "pairs"
+    assert backend.k_layout(BF16, 8, dim, heads) == "rows"  # blocks shorter than a vector
+    got_k, got_v = k_pairs.to_pairs(k_cache), v_cache.clone()
+    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs)
+    got = backend.forward(q, k, v, got_k, got_v, meta, 0.2)
+    meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs)
+    want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.2)
+    assert torch.equal(k_pairs.to_rows(got_k), k_cache) and torch.equal(got_v, v_cache)
+    decode_rows = [0, 8, 29]
+    prefill_rows = [r for r in range(t) if r not in decode_rows]
+    assert torch.equal(got[prefill_rows], want[prefill_rows])
+    torch.testing.assert_close(got[decode_rows].float(), want[decode_rows].float(),
+                               atol=2e-2, rtol=2e-2)
+
+
+@needs_pairs
+def test_k_in_pairs_takes_lane_sums_where_the_shape_does_not_fit() -> None:
+    """Reads measured with K in pairs, on blocks of 8 (half a vector): K stays position-major
+    and the kernel sums lanes over it, as the torch backend's rows say."""
+    g = torch.Generator().manual_seed(2)
+    heads, kvh, dim, bs = 9, 3, 64, 8
+    k_cache, v_cache = (torch.randn(6, bs, kvh, dim, generator=g).to(BF16) for _ in range(2))
+    q = torch.randn(2, heads, dim, generator=g).to(BF16)
+    k, v = (torch.randn(2, kvh, dim, generator=g).to(BF16) for _ in range(2))
+    backend = CPUPagedBackend(KERNEL)
+    backend.reads[BF16] = KVReads(0, "t0", "pairs", 1)
+    assert backend.k_layout(BF16, bs, dim, heads) == "rows"
+
+    def run(b):
+        meta = AttentionMetadata.build([1, 1], [5, 20], [[4], [0, 3, 5]], bs)
+        kc, vc = k_cache.clone(), v_cache.clone()
+        return b.forward(q, k, v, kc, vc, meta, 0.125), kc
+
+    (got, got_k), (want, want_k) = run(backend), run(TorchSDPABackend())
+    assert torch.equal(got_k, want_k)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_pairs
+def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tiers(
+        tmp_path: Path, monkeypatch) -> None:
+    """Pinned to K in pairs (blocks of 16): bf16 greedy tokens pass the low-precision referee
+    cold, with prefix hits from the pool, under chunked prefill and preemption, and with the
+    prefixes back from the host tier and from disk, whose folder records the layout."""
+    monkeypatch.setenv(kv_reads.SCORES_ENV, "pairs")
+    model = write_checkpoint(tmp_path / "llama", "llama")
+    eng = LLMEngine.from_pretrained(tmp_path / "llama", EngineConfig(
+        device="cpu", dtype="bfloat16", block_size=16, num_blocks=14, max_num_seqs=4,
+        max_num_batched_tokens=48, kv_offloading_size=64 * 2**20 / 2**30,
+        kv_disk_dir=str(tmp_path / "disk")))
+    c = eng.model_config
+    assert eng.model.attention.k_layout(BF16, 16, c.head_dim, c.num_attention_heads) == "pairs"
+    hf = copy.deepcopy(model).to(BF16)
+    batch = prompts(40, 44, 36, 50, start=11)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    cold = eng.generate(batch, params)
+    assert eng.stats().num_preemptions > 0
+    again = eng.generate(batch, params)
+    assert sum(r.num_cached_tokens for r in again) > 0
+    eng.generate(prompts(*[60] * 4, start=90), params)  # the pool's blocks move to the tiers
+    eng.tiers.disk.flush()
+    back = eng.generate(batch, params)
+    assert eng.stats().external_tokens_hit > 0
+    for results in (cold, again, back):
+        assert_agrees_teacher_forced(hf, batch, results)
+    (layout,) = (tmp_path / "disk").glob(f"*/{LAYOUT_FILE}")
+    assert json.loads(layout.read_text())["k_layout"] == "pairs"
+    assert eng.kv.num_free_blocks == 14
+    eng.tiers.close()
