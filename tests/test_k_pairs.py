@@ -1,12 +1,11 @@
 """K laid out in pairs within each block (workers/attention/k_pairs.py): its store and gather
 against the position-major cache's, the kernel's decode and the backend's mixed steps over it,
 and an engine that chose it, in bf16, against transformers through prefix hits, chunked
-prefill, preemption and both KV tiers."""
+prefill, preemption and both KV tiers, and disk files that workers of either order share."""
 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,6 @@ from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import TorchSDPABackend, _gather, store_rows
 from prefixserve.workers.engine import LLMEngine
 from prefixserve.workers.engine_types import EngineConfig
-from prefixserve.workers.kv_tiers.disk import LAYOUT_FILE
 
 BF16 = torch.bfloat16
 needs_pairs = pytest.mark.skipif(KERNEL is None or not KERNEL.k_pairs,
@@ -31,7 +29,8 @@ needs_pairs = pytest.mark.skipif(KERNEL is None or not KERNEL.k_pairs,
 
 def test_store_and_gather_agree_with_the_position_major_cache() -> None:
     """Rows stored in pairs and read back are the rows stored position-major; the two layouts
-    convert into each other; only whole 16-position vectors of pairs of dims are taken."""
+    convert into each other, a whole block's copy too (K only); only whole 16-position vectors
+    of pairs of dims are taken."""
     g = torch.Generator().manual_seed(3)
     nb, bs, kvh, dim = 6, 32, 3, 8
     rows = torch.randn(nb, bs, kvh, dim, generator=g).to(BF16)
@@ -48,6 +47,11 @@ def test_store_and_gather_agree_with_the_position_major_cache() -> None:
     for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
         blocks = torch.tensor(blocks)
         assert torch.equal(k_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
+    block = torch.randn(2, 2, bs, kvh, dim, generator=g).to(BF16)  # layers, K/V: a disk copy
+    on_disk = k_pairs.block_to_rows(block)
+    assert torch.equal(on_disk[:, 0], k_pairs.to_rows(block[:, 0]))
+    assert torch.equal(on_disk[:, 1], block[:, 1])  # V as it is
+    assert torch.equal(k_pairs.block_to_pairs(on_disk), block)
     assert k_pairs.fits(16, 64) and k_pairs.fits(32, 4)
     assert not k_pairs.fits(8, 64) and not k_pairs.fits(16, 6)
 
@@ -106,20 +110,29 @@ def test_k_in_pairs_takes_lane_sums_where_the_shape_does_not_fit() -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
+def pinned_engine(path: Path, disk: Path, scores: str, monkeypatch, **kw) -> LLMEngine:
+    """A bf16 engine in blocks of 16 whose K/V reads are pinned to `scores`, with a disk tier."""
+    monkeypatch.setenv(kv_reads.SCORES_ENV, scores)
+    return LLMEngine.from_pretrained(path, EngineConfig(
+        device="cpu", dtype="bfloat16", block_size=16, kv_disk_dir=str(disk), **kw))
+
+
+def layout(eng: LLMEngine) -> str:
+    c = eng.model_config
+    return eng.model.attention.k_layout(BF16, 16, c.head_dim, c.num_attention_heads)
+
+
 @needs_pairs
 def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tiers(
         tmp_path: Path, monkeypatch) -> None:
-    """Pinned to K in pairs (blocks of 16): bf16 greedy tokens pass the low-precision referee
-    cold, with prefix hits from the pool, under chunked prefill and preemption, and with the
-    prefixes back from the host tier and from disk, whose folder records the layout."""
-    monkeypatch.setenv(kv_reads.SCORES_ENV, "pairs")
+    """Pinned to K in pairs: bf16 greedy tokens pass the low-precision referee cold, with
+    prefix hits from the pool, under chunked prefill and preemption, and with the prefixes back
+    from the host tier and from disk."""
     model = write_checkpoint(tmp_path / "llama", "llama")
-    eng = LLMEngine.from_pretrained(tmp_path / "llama", EngineConfig(
-        device="cpu", dtype="bfloat16", block_size=16, num_blocks=14, max_num_seqs=4,
-        max_num_batched_tokens=48, kv_offloading_size=64 * 2**20 / 2**30,
-        kv_disk_dir=str(tmp_path / "disk")))
-    c = eng.model_config
-    assert eng.model.attention.k_layout(BF16, 16, c.head_dim, c.num_attention_heads) == "pairs"
+    eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", "pairs", monkeypatch,
+                        num_blocks=14, max_num_seqs=4, max_num_batched_tokens=48,
+                        kv_offloading_size=64 * 2**20 / 2**30)
+    assert layout(eng) == "pairs"
     hf = copy.deepcopy(model).to(BF16)
     batch = prompts(40, 44, 36, 50, start=11)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
@@ -133,7 +146,35 @@ def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tie
     assert eng.stats().external_tokens_hit > 0
     for results in (cold, again, back):
         assert_agrees_teacher_forced(hf, batch, results)
-    (layout,) = (tmp_path / "disk").glob(f"*/{LAYOUT_FILE}")
-    assert json.loads(layout.read_text())["k_layout"] == "pairs"
     assert eng.kv.num_free_blocks == 14
     eng.tiers.close()
+
+
+@needs_pairs
+def test_disk_files_are_position_major_so_either_order_loads_them(tmp_path: Path,
+                                                                  monkeypatch) -> None:
+    """A warm restart across orders: a worker with K in pairs writes its prefix's blocks, one
+    with K position-major loads them from the same folder (and writes its own), and one with
+    K in pairs again loads those; every load a hit, every answer the referee's."""
+    model = write_checkpoint(tmp_path / "llama", "llama")
+    hf = copy.deepcopy(model).to(BF16)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
+    first, second = prompts(48, start=5), prompts(48, start=77)
+    writer = None
+    for scores, reads, writes in [("pairs", None, first), ("lanes", first, second),
+                                  ("pairs", second, None)]:
+        if writer is not None:
+            writer.tiers.close()  # the dead worker's folder is free for the next
+        eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", scores, monkeypatch)
+        assert layout(eng) == ("pairs" if scores == "pairs" else "rows")
+        if reads is not None:
+            loaded = eng.generate(reads, params)
+            assert loaded[0].num_cached_tokens == 32  # the full blocks before the last token
+            assert eng.stats().external_tokens_hit == 32
+            assert_agrees_teacher_forced(hf, reads, loaded)
+        if writes is not None:
+            eng.generate(writes, params)
+            eng.tiers.disk.flush()
+            eng.tiers.poll()
+        writer = eng
+    writer.tiers.close()

@@ -27,7 +27,7 @@ class AttentionBackend(ABC):
     def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
         """How K is ordered within a block: `rows` (position-major, as the tensor's shape
         reads), or `pairs` (`attention.k_pairs`). Whole blocks move the same either way; a KV
-        file on disk records it."""
+        file on disk holds K position-major either way."""
         return "rows"
 
     @abstractmethod

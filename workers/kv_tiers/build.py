@@ -23,7 +23,7 @@ GIB = 2**30
 def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
                 fingerprint: str, k_layout: str = "rows") -> TieredKV | None:
     """Host and disk tiers under `kv` as `config` sizes them; None when it asks for neither.
-    `k_layout`: the order of K within a block, which the disk's files record."""
+    `k_layout`: the pool's order of K within a block (the disk's files are position-major)."""
     io = BlockIO(kv_cache)
     host = disk = None
     slots = int(config.kv_offloading_size * GIB) // io.block_bytes
@@ -38,10 +38,9 @@ def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor
         dtype = str(io.dtype).removeprefix("torch.")
         if config.quantization != "none":  # the quantized weights compute other KV
             fingerprint = f"{fingerprint}+{config.quantization}"
-        key, layout = layout_key(fingerprint, config.block_size, dtype, io.block_shape,
-                                 k_layout)
+        key, layout = layout_key(fingerprint, config.block_size, dtype, io.block_shape)
         disk = DiskTier(Path(config.kv_disk_dir).expanduser(), key, layout, io.block_shape,
-                        io.dtype, int(config.kv_disk_size * GIB))
+                        io.dtype, int(config.kv_disk_size * GIB), k_layout=k_layout)
         disk.scan()
     if host is None and disk is None:
         return None

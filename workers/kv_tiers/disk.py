@@ -3,9 +3,11 @@ the engine thread, and found again by the next worker of the same model (a warm 
 
 Folder: ``<kv_disk_dir>/<layout key>/worker-<k>/``. The layout key (``disk_format.layout_key``)
 names the model, block size, dtype and tensor layout, so a folder of another model or layout is
-never opened (one log line says it is there). ``worker-<k>`` is the first one whose lock file
-this process can lock: workers of one node share the directory without sharing files, and a
-worker that replaces a dead one (whose lock died with it) takes over its blocks.
+never opened (one log line says it is there). A file holds K position-major whatever the pool's
+order within a block (``attention.k_pairs``), so workers that chose either order share files.
+``worker-<k>`` is the first one whose lock file this process can lock: workers of one node
+share the directory without sharing files, and a worker that replaces a dead one (whose lock
+died with it) takes over its blocks.
 
 Threads: one writer (writes, then deletes, in submission order) and one reader. The engine
 thread keeps the bookkeeping (``files``, ``pending``) and learns of finished writes in `reap`.
@@ -27,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from prefixserve.workers.attention import k_pairs
 from prefixserve.workers.kv_tiers.base import LoadFailed
 from prefixserve.workers.kv_tiers.disk_format import (
     HEADER,
@@ -77,8 +80,11 @@ def claim_folder(root: Path, key: bytes, layout: dict) -> tuple[Path, int]:
 class DiskTier:
     def __init__(self, root: Path, key: bytes, layout: dict, block_shape: Sequence[int],
                  dtype: torch.dtype, capacity_bytes: int,
-                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES) -> None:
+                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, k_layout: str = "rows") -> None:
+        """`k_layout`: the pool's order of K within a block; a file holds K position-major
+        either way (`attention.k_pairs`), converted on the writer and reader threads."""
         self.key = key
+        self.k_pairs = k_layout == "pairs"
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(np.prod(block_shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -175,8 +181,7 @@ class DiskTier:
             return "disk_busy"  # pending writes fill the cap
         self.pending.add(block_hash)
         self.used_bytes += self.file_bytes
-        payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)
-        self._writer.submit(self._write, block_hash, payload)
+        self._writer.submit(self._write, block_hash, data)
         return None
 
     def _make_room(self, nbytes: int) -> bool:
@@ -187,8 +192,11 @@ class DiskTier:
             self._writer.submit(self._unlink, block_hash)
         return self.used_bytes + nbytes <= self.capacity_bytes
 
-    def _write(self, block_hash: bytes, payload: np.ndarray) -> None:
+    def _write(self, block_hash: bytes, data: torch.Tensor) -> None:
         """On the writer thread."""
+        if self.k_pairs:
+            data = k_pairs.block_to_rows(data)
+        payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)
         try:
             write_block(self.folder, self.key, block_hash, memoryview(payload))
         except OSError as exc:
@@ -237,8 +245,9 @@ class DiskTier:
             except LoadFailed as exc:
                 out.append(exc)
                 break
-            out.append(torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype)
-                       .reshape(self.block_shape))
+            block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(
+                self.block_shape)
+            out.append(k_pairs.block_to_pairs(block) if self.k_pairs else block)
         return out
 
     def discard(self, block_hash: bytes) -> None:

@@ -24,16 +24,12 @@ TMP_SUFFIX = ".tmp"
 
 
 def layout_key(fingerprint: str, block_size: int, dtype: str, block_shape: tuple[int, ...],
-               k_layout: str = "rows") -> tuple[bytes, dict]:
+               ) -> tuple[bytes, dict]:
     """The 16-byte key of everything a block's bytes depend on, and its readable form: the
-    model's weights, the block size, the dtype, the tensor layout and the order of K within a
-    block (`AttentionBackend.k_layout`; named only where it is not `rows`, so that files of
-    position-major blocks keep their key). Equal keys mean a file written by one worker loads
-    right into another."""
+    model's weights, the block size, the dtype and the tensor layout. Equal keys mean a file
+    written by one worker loads right into another."""
     layout = {"model_fingerprint": fingerprint, "block_size": block_size, "dtype": dtype,
               "block_shape": list(block_shape), "format": MAGIC.decode().strip("\0")}
-    if k_layout != "rows":
-        layout["k_layout"] = k_layout
     text = json.dumps(layout, sort_keys=True).encode()
     return hashlib.sha256(text).digest()[:16], layout
 
