@@ -37,18 +37,20 @@ class PagedPlan:
     tables: torch.Tensor  # [n, width] their block tables
     lens: torch.Tensor  # [n] their context lengths
     prefills: list[Prefill]
+    paired: bool  # K laid out in pairs (`CPUPagedBackend.k_layout`)
 
     @classmethod
-    def make(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> PagedPlan:
+    def make(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
+             paired: bool) -> PagedPlan:
         q_lens, _ = meta.host_lens()
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         if len(decode) == len(q_lens):
-            return cls(None, meta.block_tables, meta.context_lens, [])
+            return cls(None, meta.block_tables, meta.context_lens, [], paired)
         idx = torch.tensor(decode, dtype=torch.long, device=meta.slot_mapping.device)
         rows = meta.query_start_loc.index_select(0, idx)
         return cls(rows, meta.block_tables.index_select(0, idx).contiguous(),
                    meta.context_lens.index_select(0, idx),
-                   prefill_plans(meta, block_size, dtype))
+                   prefill_plans(meta, block_size, dtype), paired)
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -86,10 +88,12 @@ class CPUPagedBackend(AttentionBackend):
         t, heads, dim = q.shape
         if dim > self.kernel.max_head_dim or heads > self.kernel.max_heads:
             return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
-        if meta.backend_state is None:
-            meta.backend_state = PagedPlan.make(meta, k_cache.shape[1], q.dtype)
+        if meta.backend_state is None:  # the first layer's: the step's plan
+            block_size = k_cache.shape[1]
+            paired = self.k_layout(q.dtype, block_size, dim, heads) == "pairs"
+            meta.backend_state = PagedPlan.make(meta, block_size, q.dtype, paired)
         plan: PagedPlan = meta.backend_state
-        paired = self.k_layout(q.dtype, k_cache.shape[1], dim, heads) == "pairs"
+        paired = plan.paired
         reads = self.reads[q.dtype]
         # reads measured with K in pairs, on a shape that does not take them: lane sums
         scores = SCORES["lanes"] if reads.scores == "pairs" and not paired else reads.scores_code
