@@ -23,9 +23,8 @@ than the caches of most server CPUs, and keeps the fastest. ``PREFIXSERVE_KV_PRE
 pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0``, ``t1`` or
 ``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles``, ``amx``: bf16 on a CPU
 with AMX, or ``pairs``: bf16 on a CPU with AVX512-BF16) and ``PREFIXSERVE_KV_V_ROWS`` the V
-rows (1 or 4);
-what is pinned is not timed. The choice is made once, at start, before any K is stored: with
-``pairs`` the backend stores K in that order for the process's life.
+rows (1 or 4); what is pinned is not timed. The choice is made once, at start, before any K is
+stored: with ``pairs`` the backend stores K in that order for the process's life.
 """
 
 from __future__ import annotations

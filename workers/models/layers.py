@@ -9,9 +9,9 @@ linear layer at a few rows through the small-row kernel where it measured faster
 (`workers.models.small_linear`), and at more rows over oneDNN's packed copy of its weight where
 that measured faster than torch's linear (`workers.models.packed_linear`), or in bf16 over
 tile weights (AMX, or AVX512-BF16's pairs) where those measured faster still
-(`workers.models.tile_linear`); `LayerOps`
-is the torch version, for every other device and dtype and where the kernels cannot be built. Both
-round where HF's Llama rounds, so they compute the same model.
+(`workers.models.tile_linear`); `LayerOps` is the torch version, for every other device and
+dtype and where the kernels cannot be built. Both round where HF's Llama rounds, so they compute
+the same model.
 """
 
 from __future__ import annotations

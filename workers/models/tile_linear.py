@@ -7,13 +7,12 @@ Zen 4/5), which asks for each group of outputs' weights while it multiplies the 
 On an Intel Xeon with AMX that read the weights faster than the small-row kernel and oneDNN's
 packed product at 1 to 32 rows; on an AMD EPYC (Zen 5) the pairs beat oneDNN's packed product
 at 8 to 64 rows, whose memory time adds to its arithmetic (docs/results.md). At more rows
-oneDNN's blocking can win. So
-each process times the kernel against what the layers would otherwise run (the small-row kernel
-up to its rows, then torch's linear or its packed weights: `models.small_linear`,
-`models.packed_linear`) once, over weights far larger than the caches, at 1, 2, 4, ... 128 rows;
-a call takes the choice timed at the largest of those counts not above its rows (none past
-128). The copy costs the weight's bytes again. ``PREFIXSERVE_TILE_WEIGHTS`` pins the choice
-(1: tiles at every count up to 128, 0: never).
+oneDNN's blocking can win. So each process times the kernel against what the layers would
+otherwise run (the small-row kernel up to its rows, then torch's linear or its packed weights:
+`models.small_linear`, `models.packed_linear`) once, over weights far larger than the caches, at
+1, 2, 4, ... 128 rows; a call takes the choice timed at the largest of those counts not above its
+rows (none past 128). The copy costs the weight's bytes again. ``PREFIXSERVE_TILE_WEIGHTS``
+pins the choice (1: tiles at every count up to 128, 0: never).
 """
 
 from __future__ import annotations

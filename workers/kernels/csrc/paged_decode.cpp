@@ -278,8 +278,8 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
 #endif
   const bool tiles = mode == 1;
   constexpr bool pairs = BF16_PAIRS && std::is_same_v<T, at::BFloat16> && exact && chunks % 2 == 0;
-  Vec qv[MAX_HEADS * chunks];
-  for (int64_t r = 0; r < s.heads; ++r)
+  Vec qv[MAX_HEADS * chunks];  // q scaled, for lane sums and vector tiles alone
+  for (int64_t r = 0; !amx && !k_pairs && r < s.heads; ++r)
     for (int64_t c = 0; c < chunks; ++c)
       qv[r * chunks + c] = load(q + r * s.dim + c * L, width(c)) * Vec(scale);
   for (int64_t t = 0; !amx && !k_pairs && t < len; t += L) {
