@@ -168,8 +168,8 @@ class LLMWorker:
     # ---------------------------------------------------------------------------- serving
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenDelta]:
-        """Stream this request's tokens: per sample, one delta per engine step (the first token
-        at once; later ones every ``stream_interval`` steps, and a consumer's backlog as one).
+        """Stream this request's tokens: per sample, one delta per engine step (the first step
+        alone, at once; later ones every ``stream_interval`` steps, a consumer's backlog as one).
 
         Raises InvalidRequestError for bad input. If the caller goes away (the generator is
         closed or cancelled), the request is aborted and its blocks are freed.
@@ -203,7 +203,7 @@ class LLMWorker:
                 if first is NOTHING:
                     yield TokenDelta.alive(self.replica_id)
                     continue
-                steps, error = drain_steps(first, stream.queue)
+                steps, error = drain_steps(first, stream.queue, backlog=last is not None)
                 held += steps
                 if (error is None and last is not None and len(held) < self._stream_interval
                         and not any(o.finished for step in held for o in step)):

@@ -46,16 +46,17 @@ class OutputStream:
 
 
 def drain_steps(
-    first: list[RequestOutput] | BaseException, pending: asyncio.Queue
+    first: list[RequestOutput] | BaseException, pending: asyncio.Queue, backlog: bool = True
 ) -> tuple[list[list[RequestOutput]], BaseException | None]:
-    """``first`` and every step already queued behind it, up to an error (returned apart)."""
+    """``first`` and every step already queued behind it, up to an error (returned apart);
+    with ``backlog`` False, ``first`` alone (a first token is sent before the steps after it)."""
     steps: list[list[RequestOutput]] = []
     item = first
     while True:
         if isinstance(item, BaseException):
             return steps, item
         steps.append(item)
-        if pending.empty():
+        if not backlog or pending.empty():
             return steps, None
         item = pending.get_nowait()
 
