@@ -290,6 +290,20 @@ def test_how_the_kernel_reads_kv_is_pinned_or_measured_once(monkeypatch, caplog)
 
 
 @needs_kernel
+def test_the_kernels_spread_their_work_over_torchs_threads() -> None:
+    """Built with OpenMP, the kernels' at::parallel_for runs on torch's threads (a replica's
+    CPUs); a build without it ran every kernel on the calling thread however many there were."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert (KERNEL.parallel_threads(8), KERNEL.parallel_threads(1)) == (2, 1)
+        torch.set_num_threads(1)
+        assert KERNEL.parallel_threads(8) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_kernel
 def test_bad_tables_are_refused_not_read() -> None:
     q, _, _, k_cache, v_cache, meta, _ = decode_step([20, 5], 4, 2, 32, torch.float32)
     tables, lens = meta.block_tables, meta.context_lens

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 # -ffast-math lets the compiler vectorise the softmax's exp (glibc's vector math) and reassociate
 # the dot products' sums; every value the kernel sees is finite.
 CFLAGS = ["-O3", "-march=native", "-ffast-math"]
+# The kernels' at::parallel_for splits work over torch's threads only in a build with OpenMP;
+# without it every kernel runs on the calling thread alone. The library links libgomp by its
+# soname, which resolves to the runtime torch has already loaded: one thread pool, torch's.
+OPENMP = ["-fopenmp"]
 # A build's lock older than this was left by a process killed mid-build (torch's lock has no
 # timeout of its own, so every later process would wait on it forever).
 STALE_LOCK_S = 600.0
@@ -68,7 +72,7 @@ def build_name(sources: list[Path]) -> str:
 
     headers = sorted({h for s in sources for h in s.parent.glob("*.h")})
     key = b"\0".join([*(s.read_bytes() for s in [*sources, *headers]),
-                      " ".join(CFLAGS).encode(),
+                      " ".join(CFLAGS + OPENMP).encode(),
                       torch.__version__.encode(), _cpu_flags().encode()])
     return f"prefixserve_cpu_kernels_{hashlib.sha256(key).hexdigest()[:16]}"
 
@@ -87,7 +91,8 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
     lock = folder / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
-    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+    return cpp_extension.load(name=name, sources=[str(s) for s in sources],
+                              extra_cflags=CFLAGS + OPENMP, extra_ldflags=OPENMP,
                               build_directory=str(folder), verbose=False)
 
 

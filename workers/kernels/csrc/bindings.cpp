@@ -2,8 +2,10 @@
 // layer_ops.cpp (the ops between a layer's matmuls), small_linear.cpp (matmuls at a few rows),
 // tile_linear.cpp (bf16 matmuls over tile weights), int4_linear.cpp (over int4 weights) and argmax.cpp
 // (greedy sampling's pick).
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <atomic>
 #include <optional>
 #include <string>
 
@@ -36,6 +38,16 @@ at::Tensor tile_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales);
 
 at::Tensor argmax_rows(const at::Tensor& x);
+
+// How many of torch's threads at::parallel_for spreads `tasks` tasks over, as every kernel's does:
+// 1 in a build without OpenMP, where each kernel runs on the calling thread alone.
+int64_t parallel_threads(int64_t tasks) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
+    seen |= uint64_t(1) << std::min<int64_t>(at::get_thread_num(), 63);
+  });
+  return __builtin_popcountll(seen.load());
+}
 
 // Every kernel runs with the GIL released, as torch's own ops do: the engine steps on its own
 // thread, and the worker's event loop (streaming, health, stats) must run meanwhile.
@@ -71,5 +83,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         no_gil, py::arg("x"), py::arg("packed"), py::arg("scales"));
   m.def("argmax_rows", &argmax_rows,
         "x [rows, n] float32 -> each row's index of its first largest value [rows] int64",
+        no_gil);
+  m.def("parallel_threads", &parallel_threads,
+        "How many of torch's threads the kernels' at::parallel_for spreads `tasks` tasks over",
         no_gil);
 }

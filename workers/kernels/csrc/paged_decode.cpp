@@ -439,8 +439,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   TORCH_CHECK(mode != 3 || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
               "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
   // One task per sequence: it stores its new K/V row (the last position of its table, a block
-  // no other sequence holds), then reads each K/V row whole. (Splitting a lone sequence by KV
-  // head across threads measured slower on the 2-vCPU machines this was written on.)
+  // no other sequence holds), then reads each K/V row whole.
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
               std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
