@@ -84,6 +84,40 @@ def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim, reads) -> No
                            dtype, tol, reads)
 
 
+@needs_kernel
+@pytest.mark.parametrize("reads", READS, ids=str)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("threads,ctx_lens", [(2, [1000]), (3, [600, 257]), (4, [517])])
+def test_fewer_sequences_than_threads_are_split_into_parts(threads, ctx_lens, dtype, tol,
+                                                           reads) -> None:
+    """With fewer sequences than threads, a sequence of 512 positions or more is read in parts
+    of whole blocks on several threads, their softmax sums merged after: each row still matches
+    the referee, a split one beside a whole one included."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert_matches_referee(KERNEL, ctx_lens, 9, 3, 64, dtype, tol, reads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_a_split_sequence_sums_in_another_order() -> None:
+    """The parts ran: on two threads a lone 1,000-position row is not bit for bit the one
+    thread's, whose single pass sums in another order (each matches the referee, above)."""
+    q, k, v, k_cache, v_cache, meta, _ = decode_step([1000], 9, 3, 64, torch.float32)
+    backend, before = CPUPagedBackend(KERNEL), torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs.append(backend.forward(q, k, v, k_cache, v_cache, meta, 0.125))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(outs[0], outs[1])
+
+
 def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
                            reads: KVReads | None = None) -> None:
     """A decode step through the backend on `kernel` (reading K/V as `reads` says, else as

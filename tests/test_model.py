@@ -187,6 +187,21 @@ def test_decode_rows_of_very_different_lengths(checkpoint):
         torch.testing.assert_close(row, hf_logits(hf, [*s, t])[-1], atol=ATOL, rtol=0)
 
 
+def test_a_lone_long_decode_row_read_in_parts_matches_hf(checkpoint):
+    """On two threads the paged kernel reads a lone row of 512 positions in two parts on two
+    threads (tests/test_attention_kernel.py): the logits are still HF's."""
+    _, _, hf, ours = checkpoint
+    seq, table = prompt(512, 20), list(range(255, 127, -1))
+    paged, before = Paged(ours), torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        paged.step([(seq[:-1], len(seq) - 1, table)])
+        got = paged.step([(seq[-1:], len(seq), table)])
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got[0], hf_logits(hf, seq)[-1], atol=ATOL, rtol=0)
+
+
 def test_greedy_decode_through_cache_matches_hf_generate(checkpoint):
     _, _, hf, ours = checkpoint
     new = 24

@@ -1,6 +1,7 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
-// the blocks in place. Each sequence is one task; its K rows are read once, in order, for all
-// heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
+// the blocks in place. Each sequence is one task (or, with fewer sequences than threads, a long
+// one is split into parts of whole blocks, merged after); its K rows are read once, in order,
+// for all heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
 // - Pass 1 sums each head's dot product with a row across the vector's lanes (`scores` = 0), or,
 //   with `scores` = 1 (vector tiles), keeps the vectors of partial sums and sums them L positions
 //   at a time (`sums`), a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q
@@ -45,6 +46,7 @@ namespace {
 
 constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
 constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
+constexpr int64_t MAX_PARTS = 64;  // parts of one sequence (at most one per thread)
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
@@ -249,11 +251,14 @@ void scores_pairs(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t*
 #endif
 
 // One sequence: q [heads, dim] -> out [heads, dim]. The next sequence's table and length (or
-// null and 0) say whose rows to ask for once this one's have all been.
+// null and 0) say whose rows to ask for once this one's have all been. With `unscaled` (for a
+// part of a sequence, its table from the part's first block), the sums are not divided by the
+// softmax's total: per head, the `dim` weighted sums, the largest score and the total go to
+// unscaled[heads, dim + 2] instead of `out`, for merge_parts.
 template <typename T, int64_t chunks, bool exact, int64_t v_rows>
 void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const T* q,
             float scale, T* out, const Shape& s, Scratch& w, int64_t ahead, int64_t hint,
-            int64_t mode, const int64_t* next_blocks, int64_t next_len) {
+            int64_t mode, const int64_t* next_blocks, int64_t next_len, float* unscaled) {
   const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
   const int64_t last = s.dim - (chunks - 1) * L;
   auto width = [&](int64_t c) { return exact || c < chunks - 1 ? L : last; };
@@ -336,6 +341,11 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       p[i] = std::exp(p[i] - top);
       total += p[i];
     }
+    if (unscaled != nullptr) {
+      unscaled[r * (s.dim + 2) + s.dim] = top;
+      unscaled[r * (s.dim + 2) + s.dim + 1] = total;
+      continue;
+    }
     const float inv = 1.f / total;
     for (int64_t i = 0; i < len; ++i) p[i] *= inv;
   }
@@ -371,7 +381,58 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     }
   }
   for (int64_t r = 0; r < s.heads; ++r)
-    for (int64_t d = 0; d < s.dim; ++d) out[r * s.dim + d] = T(acc[r * chunks * L + d]);
+    for (int64_t d = 0; d < s.dim; ++d) {
+      if (unscaled != nullptr) {
+        unscaled[r * (s.dim + 2) + d] = acc[r * chunks * L + d];
+      } else {
+        out[r * s.dim + d] = T(acc[r * chunks * L + d]);
+      }
+    }
+}
+
+// A sequence's positions [from, to), one task. A long sequence is split into parts when there
+// are fewer sequences than threads: else a lone stream's K/V is read on one thread while the
+// others wait.
+struct Part {
+  int64_t seq, from, to;
+};
+constexpr int64_t PART_MIN = 256;  // positions: a part shorter reads too little to pay its merge
+
+// Each sequence whole, or, with fewer sequences than threads, in up to threads / n parts of whole
+// blocks and at least PART_MIN positions each.
+std::vector<Part> split(const int64_t* lens, int64_t n, const Shape& s, int64_t threads) {
+  const int64_t most = n < threads ? (threads + n - 1) / n : 1;
+  std::vector<Part> parts;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t want = std::clamp(lens[i] / PART_MIN, int64_t(1), most);
+    const int64_t blocks = (lens[i] + s.block_size - 1) / s.block_size;
+    const int64_t size = (blocks + want - 1) / want * s.block_size;
+    for (int64_t from = 0; from < lens[i]; from += size)
+      parts.push_back({i, from, std::min(lens[i], from + size)});
+  }
+  return parts;
+}
+
+// One sequence's output from its parts' (attend's `unscaled`): each part's sums and total
+// scaled by e^(its largest score - the largest of all), then the sums divided by the total.
+template <typename T>
+void merge_parts(const float* parts, int64_t count, const Shape& s, T* out) {
+  const int64_t stride = s.heads * (s.dim + 2);
+  for (int64_t r = 0; r < s.heads; ++r) {
+    const float* head = parts + r * (s.dim + 2);
+    float top = -INFINITY, total = 0.f;
+    for (int64_t u = 0; u < count; ++u) top = std::max(top, head[u * stride + s.dim]);
+    float weight[MAX_PARTS];
+    for (int64_t u = 0; u < count; ++u) {
+      weight[u] = std::exp(head[u * stride + s.dim] - top);
+      total += weight[u] * head[u * stride + s.dim + 1];
+    }
+    for (int64_t d = 0; d < s.dim; ++d) {
+      float sum = 0.f;
+      for (int64_t u = 0; u < count; ++u) sum += weight[u] * head[u * stride + d];
+      out[r * s.dim + d] = T(sum / total);
+    }
+  }
 }
 
 // The head's vector count and the V rows per pass as template arguments, so that the
@@ -438,38 +499,56 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #endif
   TORCH_CHECK(mode != 3 || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
               "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
-  // One task per sequence: it stores its new K/V row (the last position of its table, a block
-  // no other sequence holds), then reads each K/V row whole.
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // One task per sequence, or per part where a sequence is split (`split`). A whole sequence's
+  // task stores its new K/V row (the last position of its table, a block no other sequence
+  // holds), then reads each K/V row whole; a split sequence's row is stored before any part runs.
+  const std::vector<Part> parts =
+      split(lens, n, s, std::min<int64_t>(at::get_num_threads(), MAX_PARTS));
+  const bool whole = int64_t(parts.size()) == n;
+  auto store = [&](int64_t i) {
+    if (knp == nullptr) return;
+    const int64_t slot = row_at(tables + i * s.table_width, lens[i] - 1, s, row);
+    if (mode == 3) {
+      const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
+      for (int64_t h = 0; h < s.kv_heads; ++h)
+        for (int64_t d = 0; d < s.dim; ++d)
+          kp[base + k_pair_at(o, h, d, s)] = knp[i * k_step + h * s.dim + d];
+    } else {
+      std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
+    }
+    std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
+  };
+  for (int64_t i = 0; !whole && i < n; ++i) store(i);
+  const int64_t part_size = s.heads * (s.dim + 2);
+  std::vector<float> partial(whole ? 0 : parts.size() * part_size);
+  auto table = [&](const Part& p) {
+    return tables + p.seq * s.table_width + p.from / s.block_size;
+  };
+  at::parallel_for(0, int64_t(parts.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
               std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
               std::vector<at::BFloat16>(mode == 2 ? s.heads * s.dim : 0)};
 #if defined(PREFIXSERVE_AMX)
     if (mode == 2) configure_scores(s.heads / s.kv_heads);
 #endif
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t* blocks = tables + i * s.table_width;
-      if (knp != nullptr) {
-        const int64_t slot = row_at(blocks, lens[i] - 1, s, row);
-        if (mode == 3) {
-          const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
-          for (int64_t h = 0; h < s.kv_heads; ++h)
-            for (int64_t d = 0; d < s.dim; ++d)
-              kp[base + k_pair_at(o, h, d, s)] = knp[i * k_step + h * s.dim + d];
-        } else {
-          std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
-        }
-        std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
-      }
-      const bool more = i + 1 < end;
-      attend_any<T>(s.dim, v_rows, kp, vp, blocks, lens[i], qp + i * q_step, float(scale),
-                    op + i * s.heads * s.dim, s, w, ahead, hint, mode,
-                    more ? blocks + s.table_width : nullptr, more ? lens[i + 1] : int64_t(0));
+    for (int64_t t = begin; t < end; ++t) {
+      const Part& p = parts[t];
+      if (whole) store(p.seq);
+      const Part* next = t + 1 < end ? &parts[t + 1] : nullptr;
+      attend_any<T>(s.dim, v_rows, kp, vp, table(p), p.to - p.from, qp + p.seq * q_step,
+                    float(scale), op + p.seq * s.heads * s.dim, s, w, ahead, hint, mode,
+                    next ? table(*next) : nullptr, next ? next->to - next->from : int64_t(0),
+                    whole ? nullptr : partial.data() + t * part_size);
     }
 #if defined(PREFIXSERVE_AMX)
     if (mode == 2) _tile_release();
 #endif
   });
+  for (size_t t = 0, u = 0; !whole && t < parts.size(); t = u) {
+    while (u < parts.size() && parts[u].seq == parts[t].seq) ++u;
+    merge_parts(partial.data() + t * part_size, int64_t(u - t), s,
+                op + parts[t].seq * s.heads * s.dim);
+  }
 }
 
 }  // namespace
