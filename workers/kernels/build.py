@@ -101,7 +101,7 @@ def cpu_kernels() -> ModuleType | None:
     """The compiled module (`paged_decode`, `max_head_dim`, `max_heads`, `vector_width`,
     `k_pairs`, `rms_norm`, `add_rms_norm_`, `rope_`, `silu_mul`, `small_linear`,
     `small_linear_max_rows`, `amx_tiles`, `tile_linear_engine`, `tile_pack`, `tile_linear`,
-    `int4_linear`, `argmax_rows`), or None where it cannot be built here."""
+    `int4_linear`, `argmax_rows`, `parallel_threads`), or None where it cannot be built here."""
     started = time.perf_counter()
     try:
         sources = source_files()
