@@ -15,7 +15,7 @@
 
 namespace {
 
-constexpr int64_t GRAIN = 8;  // rows per parallel task: a decode step's rows stay on one thread
+constexpr int64_t GRAIN = 8;  // rows per task: a step of up to 8 rows stays on one thread
 
 template <typename T>
 inline float f(T x) { return static_cast<float>(x); }
