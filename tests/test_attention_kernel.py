@@ -87,12 +87,12 @@ def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim, reads) -> No
 @needs_kernel
 @pytest.mark.parametrize("reads", READS, ids=str)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("threads,ctx_lens", [(2, [1000]), (3, [600, 257]), (4, [517])])
-def test_fewer_sequences_than_threads_are_split_into_parts(threads, ctx_lens, dtype, tol,
-                                                           reads) -> None:
-    """With fewer sequences than threads, a sequence of 512 positions or more is read in parts
-    of whole blocks on several threads, their softmax sums merged after: each row still matches
-    the referee, a split one beside a whole one included."""
+@pytest.mark.parametrize("threads,ctx_lens", [(2, [1000]), (3, [600, 257]), (4, [517]),
+                                              (2, [40, 1000, 40, 40])])
+def test_a_step_is_shared_among_threads_in_parts(threads, ctx_lens, dtype, tol, reads) -> None:
+    """A step's positions are cut into a share a thread, so a lone long sequence, or a long one
+    among short ones, is read in parts of whole blocks on several threads, their softmax sums
+    merged after: each row still matches the referee, a cut one beside whole ones included."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
@@ -102,10 +102,12 @@ def test_fewer_sequences_than_threads_are_split_into_parts(threads, ctx_lens, dt
 
 
 @needs_kernel
-def test_a_split_sequence_sums_in_another_order() -> None:
-    """The parts ran: on two threads a lone 1,000-position row is not bit for bit the one
-    thread's, whose single pass sums in another order (each matches the referee, above)."""
-    q, k, v, k_cache, v_cache, meta, _ = decode_step([1000], 9, 3, 64, torch.float32)
+@pytest.mark.parametrize("ctx_lens", [[1000], [40, 1000, 40]])
+def test_a_cut_sequence_sums_in_another_order(ctx_lens) -> None:
+    """The parts ran: on two threads a 1,000-position row, alone or among short ones, is not bit
+    for bit the one thread's, whose single pass sums in another order (each matches the
+    referee, above)."""
+    q, k, v, k_cache, v_cache, meta, _ = decode_step(ctx_lens, 9, 3, 64, torch.float32)
     backend, before = CPUPagedBackend(KERNEL), torch.get_num_threads()
     try:
         outs = []
@@ -115,7 +117,8 @@ def test_a_split_sequence_sums_in_another_order() -> None:
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    assert not torch.equal(outs[0], outs[1])
+    long = ctx_lens.index(1000)
+    assert not torch.equal(outs[0][long], outs[1][long])
 
 
 def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,

@@ -1,7 +1,8 @@
 // Paged decode attention for CPUs: one query token per sequence over its cached K/V, read from
-// the blocks in place. Each sequence is one task (or, with fewer sequences than threads, a long
-// one is split into parts of whole blocks, merged after); its K rows are read once, in order,
-// for all heads (pass 1: scores), then its V rows likewise (pass 2: the weighted sum).
+// the blocks in place. Each thread takes a share of the step's positions: whole sequences, and
+// parts of whole blocks of a long one, merged after. A sequence's (or part's) K rows are read
+// once, in order, for all heads (pass 1: scores), then its V rows likewise (pass 2: the
+// weighted sum).
 // - Pass 1 sums each head's dot product with a row across the vector's lanes (`scores` = 0), or,
 //   with `scores` = 1 (vector tiles), keeps the vectors of partial sums and sums them L positions
 //   at a time (`sums`), a third of the shuffles; there, with AVX512-BF16, bf16 rows meet bf16 q
@@ -46,7 +47,7 @@ namespace {
 
 constexpr int64_t MAX_CHUNKS = 16;  // head_dim <= 16 vectors: 256 with AVX-512, 128 with AVX2
 constexpr int64_t MAX_HEADS = 64;  // query heads per sequence
-constexpr int64_t MAX_PARTS = 64;  // parts of one sequence (at most one per thread)
+constexpr int64_t MAX_PARTS = 64;  // threads sharing a step (a sequence has a part in each at most)
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, table_width;
@@ -390,27 +391,46 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     }
 }
 
-// A sequence's positions [from, to), one task. A long sequence is split into parts when there
-// are fewer sequences than threads: else a lone stream's K/V is read on one thread while the
-// others wait.
+// A sequence's positions [from, to). A thread's share of a step is a run of these.
 struct Part {
   int64_t seq, from, to;
 };
 constexpr int64_t PART_MIN = 256;  // positions: a part shorter reads too little to pay its merge
 
-// Each sequence whole, or, with fewer sequences than threads, in up to threads / n parts of whole
-// blocks and at least PART_MIN positions each.
-std::vector<Part> split(const int64_t* lens, int64_t n, const Shape& s, int64_t threads) {
-  const int64_t most = n < threads ? (threads + n - 1) / n : 1;
+// Every sequence's positions end to end, cut into a share a thread of about equal length: a
+// sequence is cut at a block's end where a share ends inside it and both sides keep PART_MIN
+// positions, else the share takes it whole and the next one is shorter. Else one long sequence
+// (a lone stream, or a long one among short ones) is read by one thread while the rest wait.
+// Returns the parts in order, a sequence's adjacent, and where each share starts in them.
+std::pair<std::vector<Part>, std::vector<int64_t>> shares(const int64_t* lens, int64_t n,
+                                                          const Shape& s, int64_t threads) {
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += lens[i];
+  const int64_t share = (total + threads - 1) / threads;
+  const int64_t least = (PART_MIN + s.block_size - 1) / s.block_size * s.block_size;
   std::vector<Part> parts;
+  std::vector<int64_t> starts{0};
+  int64_t room = share;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t want = std::clamp(lens[i] / PART_MIN, int64_t(1), most);
-    const int64_t blocks = (lens[i] + s.block_size - 1) / s.block_size;
-    const int64_t size = (blocks + want - 1) / want * s.block_size;
-    for (int64_t from = 0; from < lens[i]; from += size)
-      parts.push_back({i, from, std::min(lens[i], from + size)});
+    for (int64_t from = 0; from < lens[i];) {
+      const bool last = int64_t(starts.size()) == threads;
+      int64_t to = lens[i];
+      if (!last && to - from > room) {
+        const int64_t rounded = (room + s.block_size / 2) / s.block_size * s.block_size;
+        const int64_t cut = from + std::max(rounded, least);
+        if (to - cut >= PART_MIN) to = cut;
+      }
+      parts.push_back({i, from, to});
+      room -= to - from;
+      if (!last && (to < lens[i] || room <= 0)) {
+        starts.push_back(int64_t(parts.size()));
+        room += share;
+      }
+      from = to;
+    }
   }
-  return parts;
+  if (starts.back() != int64_t(parts.size())) starts.push_back(int64_t(parts.size()));
+  return {parts, starts};
 }
 
 // One sequence's output from its parts' (attend's `unscaled`): each part's sums and total
@@ -499,11 +519,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #endif
   TORCH_CHECK(mode != 3 || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
               "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
-  // One task per sequence, or per part where a sequence is split (`split`). A whole sequence's
-  // task stores its new K/V row (the last position of its table, a block no other sequence
-  // holds), then reads each K/V row whole; a split sequence's row is stored before any part runs.
-  const std::vector<Part> parts =
-      split(lens, n, s, std::min<int64_t>(at::get_num_threads(), MAX_PARTS));
+  // One task per thread's share (`shares`). Where no sequence is cut, a task stores each of its
+  // sequences' new K/V row (the last position of its table, a block no other sequence holds)
+  // before reading that sequence; else every new row is stored before any task runs.
+  const auto [parts, starts] =
+      shares(lens, n, s, std::min<int64_t>(at::get_num_threads(), MAX_PARTS));
   const bool whole = int64_t(parts.size()) == n;
   auto store = [&](int64_t i) {
     if (knp == nullptr) return;
@@ -524,7 +544,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto table = [&](const Part& p) {
     return tables + p.seq * s.table_width + p.from / s.block_size;
   };
-  at::parallel_for(0, int64_t(parts.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t first, int64_t after) {
+    const int64_t begin = starts[first], end = starts[after];
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
               std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
               std::vector<at::BFloat16>(mode == 2 ? s.heads * s.dim : 0)};
