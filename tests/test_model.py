@@ -188,8 +188,8 @@ def test_decode_rows_of_very_different_lengths(checkpoint):
 
 
 def test_a_lone_long_decode_row_read_in_parts_matches_hf(checkpoint):
-    """On two threads the paged kernel reads a lone row of 512 positions in two parts on two
-    threads (tests/test_attention_kernel.py): the logits are still HF's."""
+    """On two threads the paged kernel reads a lone row of 512 positions in two parts, one a
+    thread (tests/test_attention_kernel.py): the logits are still HF's."""
     _, _, hf, ours = checkpoint
     seq, table = prompt(512, 20), list(range(255, 127, -1))
     paged, before = Paged(ours), torch.get_num_threads()

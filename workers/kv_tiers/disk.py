@@ -84,7 +84,7 @@ class DiskTier:
         """`k_layout`: the pool's order of K within a block; a file holds K position-major
         either way (`attention.k_pairs`), converted on the writer and reader threads."""
         self.key = key
-        self.k_pairs = k_layout == "pairs"
+        self.paired = k_layout == "pairs"
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(np.prod(block_shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -194,7 +194,7 @@ class DiskTier:
 
     def _write(self, block_hash: bytes, data: torch.Tensor) -> None:
         """On the writer thread."""
-        if self.k_pairs:
+        if self.paired:
             data = k_pairs.block_to_rows(data)
         payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)
         try:
@@ -247,7 +247,7 @@ class DiskTier:
                 break
             block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(
                 self.block_shape)
-            out.append(k_pairs.block_to_pairs(block) if self.k_pairs else block)
+            out.append(k_pairs.block_to_pairs(block) if self.paired else block)
         return out
 
     def discard(self, block_hash: bytes) -> None:

@@ -399,9 +399,9 @@ constexpr int64_t PART_MIN = 256;  // positions: a part shorter reads too little
 
 // Every sequence's positions end to end, cut into a share a thread of about equal length: a
 // sequence is cut at a block's end where a share ends inside it and both sides keep PART_MIN
-// positions, else the share takes it whole and the next one is shorter. Else one long sequence
-// (a lone stream, or a long one among short ones) is read by one thread while the rest wait.
-// Returns the parts in order, a sequence's adjacent, and where each share starts in them.
+// positions, else the share takes it whole and the next one is shorter. (Uncut, one long
+// sequence, a lone stream or a long one among short ones, is read by one thread while the rest
+// wait.) Returns the parts in order, a sequence's adjacent, and where each share starts in them.
 std::pair<std::vector<Part>, std::vector<int64_t>> shares(const int64_t* lens, int64_t n,
                                                           const Shape& s, int64_t threads) {
   int64_t total = 0;
