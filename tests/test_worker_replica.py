@@ -194,6 +194,20 @@ async def test_a_slow_consumer_gets_the_backlog_in_fewer_deltas(worker: LLMWorke
     assert slow[-1].finished and not any(d.finished for d in slow[:-1])
 
 
+async def test_a_reader_that_wakes_late_gets_the_first_token_alone(worker: LLMWorker) -> None:
+    """The event loop held while the engine steps on: the first token still goes out alone, the
+    steps queued behind it in the next delta."""
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    stream = worker.generate(GenerateRequest("late", PROMPT, params))
+    first = asyncio.ensure_future(stream.__anext__())
+    for _ in range(3):
+        await asyncio.sleep(0)  # the request is queued; its reader waits for the first step
+    time.sleep(1.0)  # the loop is held: the engine's steps pile up in the stream's queue
+    deltas = [await first] + [d async for d in stream]
+    assert len(deltas[0].token_ids) == 1 and len(deltas[1].token_ids) > 1
+    assert sum(len(d.token_ids) for d in deltas) == 20 and deltas[-1].finished
+
+
 async def test_stream_interval_sends_the_first_token_alone_then_every_k_steps() -> None:
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     plain = await make_worker()
