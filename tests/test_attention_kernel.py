@@ -131,7 +131,7 @@ def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
     if reads is not None:
         backend.reads[dtype] = reads
     paired = backend.k_layout(dtype, BS, dim, heads) == "pairs"
-    assert paired == (dtype == torch.bfloat16 and backend.reads[dtype].scores == "pairs")
+    assert paired == (dtype == torch.bfloat16 and backend.reads[dtype].scores in kv_reads.PAIRED)
     stored = k_pairs.to_pairs(k_cache) if paired else k_cache
     out = backend.forward(q, k, v, stored, v_cache, meta, scale)
     k_cache = k_pairs.to_rows(stored) if paired else stored  # with the new rows
@@ -221,7 +221,7 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
     gives the same bits, and the cache the same stored rows."""
     step = ([1, 5, BS, 2 * BS + 3, 70], 9, 3, 64, dtype)
     outs = []
-    if reads.scores == "pairs" and dtype == torch.float32:
+    if reads.scores in kv_reads.PAIRED and dtype == torch.float32:
         q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
         with pytest.raises(RuntimeError, match="K in pairs needs bf16, a head size in 4s"):
             KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
@@ -262,19 +262,34 @@ def test_amx_scores_are_summed_a_step_of_32_values_at_a_time() -> None:
     """Scores on AMX tiles are the tile unit's: a KV head's products summed in float a step of 32
     values at a time. A position whose products cancel only across steps (2^24 + 1 - 2^24) scores
     0 there, and 1 as lane sums (which add values 16 apart first), so the two ways weigh its V row
-    differently: e^0 / (e^0 + e^0.5) against e / (e + e^0.5)."""
+    differently: e^0 / (e^0 + e^0.5) against e / (e + e^0.5). The tiles read K in pairs."""
     k_cache, v_cache = torch.zeros(1, BS, 1, 64), torch.zeros(1, BS, 1, 64)
     q = torch.zeros(1, 1, 64)
     q[0, 0, [0, 1, 32]] = 1
     k_cache[0, 0, 0, [0, 1, 32]] = torch.tensor([2.0**24, 1, -(2.0**24)])
     k_cache[0, 1, 0, 1] = 0.5  # the other position scores 0.5 either way
     v_cache[0, 0] = 1
-    args = (q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), torch.zeros(1, 1).long(),
-            torch.tensor([2]), 1.0, None, None, 0, kv_reads.HINTS["t0"])
-    lanes = KERNEL.paged_decode(*args, kv_reads.SCORES["lanes"], 1)[0, 0, 0].item()
-    amx = KERNEL.paged_decode(*args, kv_reads.SCORES["amx"], 1)[0, 0, 0].item()
-    assert lanes == pytest.approx(math.e / (math.e + math.exp(0.5)), abs=4e-3)
-    assert amx == pytest.approx(1 / (1 + math.exp(0.5)), abs=4e-3)
+    rest = (v_cache.bfloat16(), torch.zeros(1, 1).long(), torch.tensor([2]), 1.0, None, None, 0,
+            kv_reads.HINTS["t0"])
+    rows, pairs = k_cache.bfloat16(), k_pairs.to_pairs(k_cache.bfloat16())
+    lanes = KERNEL.paged_decode(q.bfloat16(), rows, *rest, kv_reads.SCORES["lanes"], 1)
+    amx = KERNEL.paged_decode(q.bfloat16(), pairs, *rest, kv_reads.SCORES["amx"], 1)
+    assert lanes[0, 0, 0].item() == pytest.approx(math.e / (math.e + math.exp(0.5)), abs=4e-3)
+    assert amx[0, 0, 0].item() == pytest.approx(1 / (1 + math.exp(0.5)), abs=4e-3)
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.amx_tiles, reason="no AMX-BF16 tiles here")
+@pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 48), (4, 4, 16), (18, 1, 64)])
+def test_amx_scores_take_pair_products_where_the_tiles_do_not_fit(heads, kvh, dim) -> None:
+    """A head not in 32s, or more than 16 query heads a KV head: asked for AMX tiles, the kernel
+    reads K in pairs with pair products, bit for bit."""
+    step = decode_step([1, BS + 3, 40], heads, kvh, dim, torch.bfloat16)
+    q, k, v, k_cache, v_cache, meta, _ = step
+    outs = [KERNEL.paged_decode(q, k_pairs.to_pairs(k_cache), v_cache, meta.block_tables,
+                                meta.context_lens, 0.125, k, v, 0, 3, kv_reads.SCORES[scores], 1)
+            for scores in ("amx", "pairs")]
+    assert torch.equal(outs[0], outs[1])
 
 
 @needs_kernel

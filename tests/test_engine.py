@@ -44,14 +44,14 @@ ARCHS = {
 }
 
 
-def write_checkpoint(path: Path, arch: str) -> torch.nn.Module:
+def write_checkpoint(path: Path, arch: str, heads: int = 4) -> torch.nn.Module:
     config_cls, model_cls, extra = ARCHS[arch]
     config = config_cls(
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
-        num_attention_heads=4,
+        num_attention_heads=heads,
         max_position_embeddings=256,
         initializer_range=0.1,  # sharper logits: no near-ties for greedy to flip on
         bos_token_id=None,

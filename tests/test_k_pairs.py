@@ -123,13 +123,17 @@ def layout(eng: LLMEngine) -> str:
 
 
 @needs_pairs
+@pytest.mark.parametrize("scores", ["pairs", "amx"])
 def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tiers(
-        tmp_path: Path, monkeypatch) -> None:
-    """Pinned to K in pairs: bf16 greedy tokens pass the low-precision referee cold, with
-    prefix hits from the pool, under chunked prefill and preemption, and with the prefixes back
-    from the host tier and from disk."""
-    model = write_checkpoint(tmp_path / "llama", "llama")
-    eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", "pairs", monkeypatch,
+        scores: str, tmp_path: Path, monkeypatch) -> None:
+    """Pinned to K in pairs, read with pair products or on AMX tiles (heads of 32, which the
+    tiles take): bf16 greedy tokens pass the low-precision referee cold, with prefix hits from
+    the pool, under chunked prefill and preemption, and with the prefixes back from the host
+    tier and from disk."""
+    if scores == "amx" and not KERNEL.amx_tiles:
+        pytest.skip("no AMX-BF16 tiles here")
+    model = write_checkpoint(tmp_path / "llama", "llama", heads=2)
+    eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", scores, monkeypatch,
                         num_blocks=14, max_num_seqs=4, max_num_batched_tokens=48,
                         kv_offloading_size=64 * 2**20 / 2**30)
     assert layout(eng) == "pairs"

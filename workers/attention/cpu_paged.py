@@ -20,7 +20,7 @@ import torch
 
 from prefixserve.workers.attention import k_pairs
 from prefixserve.workers.attention.base import AttentionBackend
-from prefixserve.workers.attention.kv_reads import SCORES, KVReads, kv_reads
+from prefixserve.workers.attention.kv_reads import PAIRED, SCORES, KVReads, kv_reads
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import (
     Prefill,
@@ -70,7 +70,7 @@ class CPUPagedBackend(AttentionBackend):
     def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
         """`pairs` where the measured reads take K in pairs and the kernel takes the shape."""
         self.prepare(dtype)
-        paired = (dtype == torch.bfloat16 and self.reads[dtype].scores == "pairs"
+        paired = (dtype == torch.bfloat16 and self.reads[dtype].scores in PAIRED
                   and k_pairs.fits(block_size, head_dim) and head_dim <= self.kernel.max_head_dim
                   and heads <= self.kernel.max_heads)
         return "pairs" if paired else "rows"
@@ -96,7 +96,7 @@ class CPUPagedBackend(AttentionBackend):
         paired = plan.paired
         reads = self.reads[q.dtype]
         # reads measured with K in pairs, on a shape that does not take them: lane sums
-        scores = SCORES["lanes"] if reads.scores == "pairs" and not paired else reads.scores_code
+        scores = SCORES["lanes"] if reads.scores in PAIRED and not paired else reads.scores_code
         if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
             return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
                                             k, v, reads.ahead, reads.hint_code, scores,

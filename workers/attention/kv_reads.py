@@ -1,6 +1,6 @@
 """How the CPU paged-decode kernel reads K/V, measured: how far ahead it asks for rows and with
-which hint, how it computes scores (lane sums per position, vector tiles of positions, AMX
-tiles, or pair products over K laid out in pairs), and how many V rows it adds into each
+which hint, how it computes scores (lane sums per position, vector tiles of positions, or,
+over K laid out in pairs, AMX tiles or pair products), and how many V rows it adds into each
 accumulator per pass.
 
 Each depends on the CPU, not on the model:
@@ -11,9 +11,9 @@ Each depends on the CPU, not on the model:
   attention by a fifth, where 4 V rows slowed fp32, whose rows are twice as long, by a tenth;
   asking ahead with the read-once hint (prefetchnta) rather than prefetcht0 cut both a little
   more.
-- On an Intel Xeon with AMX, score tiles, bf16 pair products and 4 V rows per pass had each
-  measured slower; asking into L2 (prefetcht1) and scores on AMX tiles came within a few percent
-  of the old way from memory (the tiles cut the scores' work by two-fifths in cache).
+- On an Intel Xeon with AMX, score tiles and bf16 pair products over position-major K measured
+  slower than lane sums; over K in pairs, the pair products were faster, and AMX tiles, which
+  take K in pairs as their own layout, faster still.
 - On an AMD EPYC (Zen 4), K laid out in pairs (`attention.k_pairs`; bf16 on a CPU with
   AVX512-BF16) cut bf16 attention at 32 streams by a fifth from memory against the best of the
   others (lane sums there: score tiles were slower).
@@ -24,7 +24,7 @@ pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0``, 
 ``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles``, ``amx``: bf16 on a CPU
 with AMX, or ``pairs``: bf16 on a CPU with AVX512-BF16) and ``PREFIXSERVE_KV_V_ROWS`` the V
 rows (1 or 4); what is pinned is not timed. The choice is made once, at start, before any K is
-stored: with ``pairs`` the backend stores K in that order for the process's life.
+stored: with ``amx`` or ``pairs`` the backend stores K in pairs for the process's life.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ AHEADS = (0, 32)  # rows: 32 is 12 KB of a small model's bf16 K/V
 HINTS = {"t0": 3, "t1": 2, "nta": 0}  # the prefetch hint's name: its locality, the kernel's code
 V_ROWS = (1, 4)  # what the kernel is compiled for
 SCORES = {"lanes": 0, "tiles": 1, "amx": 2, "pairs": 3}  # the kernel's code for each
+PAIRED = ("amx", "pairs")  # the scores that read K laid out in pairs (`attention.k_pairs`)
 MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
 PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
@@ -63,7 +64,8 @@ PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, h
 class KVReads:
     ahead: int  # rows asked for ahead of their use (0: none)
     hint: str  # of HINTS: into every cache level, into L2, or as data read once
-    scores: str  # of SCORES: lane sums, vector tiles of positions, AMX tiles, K in pairs
+    scores: str  # of SCORES: lane sums, vector tiles of positions, K in pairs on AMX tiles or
+    # with pair products
     v_rows: int  # V rows added into each accumulator per pass
 
     @property

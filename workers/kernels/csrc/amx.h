@@ -28,5 +28,12 @@ struct TileConfig {
   uint8_t rows[16] = {};
 };
 
+// Loads a configuration. The barrier keeps its fields' stores before ldtilecfg: GCC (-O3) has
+// dropped some of them, which ldtilecfg then refused (a fault) for tiles left half set.
+inline void load_config(const TileConfig& c) {
+  asm volatile("" : : "r"(&c) : "memory");
+  _tile_loadconfig(&c);
+}
+
 }  // namespace
 #endif

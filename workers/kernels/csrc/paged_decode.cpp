@@ -9,17 +9,17 @@
 //   in the CPU's pair dot-product instruction, unwidened. Tiles cut bf16 attention on an AMD EPYC
 //   (Zen 5); on an Intel Xeon with AMX, tiles and pairs each measured slower: the caller measures
 //   which.
-// - With `scores` = 2 (AMX tiles, bf16 only), pass 1 multiplies 16 positions' K rows of a KV head
-//   by its query heads on the CPU's tile unit, 32 values a step, read from the cache in place
-//   (a block of 16 or a multiple of 16 positions; other shapes fall back to lane sums). On an
-//   Intel Xeon with AMX that cut pass 1's work in cache by two-fifths, and came within a few
-//   percent of lane sums from memory: the caller measures which.
 // - With `scores` = 3 (bf16 with AVX512-BF16), K is laid out in pairs within each block
 //   ([kv_heads, dim / 2, block_size, 2]: see k_pair_at; the caller stores it so), where one
 //   64-byte vector holds 16 positions' values of one pair of a head's dims, the shape the pair
 //   product takes: pass 1 multiplies it by that pair of each query head, broadcast, and has 16
 //   positions' scores with no sum across lanes. On an AMD EPYC (Zen 4) that cut bf16 attention
 //   at 32 streams by a fifth from memory and by a third in cache: the caller measures which.
+// - With `scores` = 2 (bf16 with AMX), K is in pairs as for 3, which is the layout a tile's B
+//   operand takes: pass 1 multiplies a KV head's query heads (A) by 16 positions' K (B) on the
+//   CPU's tile unit, 32 values a step, and stores each head's 16 scores straight from the C tile.
+//   On an Intel Xeon with AMX that cut bf16 attention at 32 streams by a sixth from memory and by
+//   two-fifths in cache against the pair products (shapes the tiles do not fit take those).
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
@@ -130,60 +130,7 @@ inline Vec sums(const Vec* v) {
 struct Scratch {
   std::vector<int64_t> offs;  // [len]
   std::vector<float> scores, part, acc;  // [heads, len], [heads, L, L], [heads, chunks * L]
-  std::vector<at::BFloat16> pairs;  // [heads * dim]: q in the tiles' layout (AMX scores)
 };
-
-#if defined(PREFIXSERVE_AMX)
-constexpr int64_t TILE_ROWS = 16;  // positions per tile
-constexpr int64_t TILE_STEP = 32;  // values of a head per step
-
-// Tile 0: one KV head's scores at 16 positions (C: a column per query head of its group), 1: the
-// 16 positions' K rows, 32 values of the head (A), 2: the same 32 values of its query heads,
-// side by side in pairs (B).
-void configure_scores(int64_t group) {
-  TileConfig c;
-  c.rows[0] = c.rows[1] = c.rows[2] = TILE_ROWS;
-  c.colsb[0] = c.colsb[2] = uint16_t(group * 4);
-  c.colsb[1] = 64;
-  _tile_loadconfig(&c);
-}
-
-bool amx_fits(const Shape& s) {
-  return s.dim % TILE_STEP == 0 && s.heads / s.kv_heads <= 16 && s.block_size % TILE_ROWS == 0;
-}
-
-// Pass 1 on tiles: each KV head's scores, a tile of 16 positions at a time (rows of a block;
-// past `len`, the block's other rows, whose scores are not kept), times `scale`.
-void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* offs, int64_t len,
-                const at::BFloat16* q, float scale, float* scores, const Shape& s,
-                at::BFloat16* pairs, int64_t ahead, int64_t hint) {
-  const int64_t group = s.heads / s.kv_heads, steps = s.dim / TILE_STEP, row = s.kv_heads * s.dim;
-  // pairs[h][step][p][j][e] = q[h * group + j][step * 32 + 2p + e]
-  for (int64_t h = 0; h < s.kv_heads; ++h)
-    for (int64_t j = 0; j < group; ++j)
-      for (int64_t d = 0; d < s.dim; ++d)
-        pairs[(((h * steps + d / TILE_STEP) * 16 + (d % TILE_STEP) / 2) * group + j) * 2 + d % 2] =
-            q[(h * group + j) * s.dim + d];
-  alignas(64) float c[TILE_ROWS * 16];
-  for (int64_t t = 0; t < len; t += TILE_ROWS) {
-    const int64_t n = std::min(TILE_ROWS, len - t);
-    for (int64_t pos = t; pos < t + n; ++pos)
-      ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      _tile_zero(0);
-      for (int64_t step = 0; step < steps; ++step) {
-        _tile_loadd(1, kc + offs[t] + h * s.dim + step * TILE_STEP, row * 2);
-        _tile_loadd(2, pairs + (h * steps + step) * 16 * group * 2, group * 4);
-        _tile_dpbf16ps(0, 1, 2);
-      }
-      _tile_stored(0, c, group * 4);
-      for (int64_t j = 0; j < group; ++j)
-        for (int64_t i = 0; i < n; ++i)
-          scores[(h * group + j) * len + t + i] = c[i * group + j] * scale;
-    }
-  }
-}
-#endif
 
 // Where K's value (position o of a block, KV head h, dim d) sits within the block when K is laid
 // out in pairs: [kv_heads, dim / 2, block_size, 2], so that 16 positions' values of one pair of
@@ -195,6 +142,60 @@ inline int64_t k_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
 constexpr int64_t PAIR_POS = 16;  // positions per vector: 16 pairs of bf16
 
 bool pairs_fit(const Shape& s) { return s.dim % 4 == 0 && s.block_size % PAIR_POS == 0; }
+
+#if defined(PREFIXSERVE_AMX)
+constexpr int64_t TILE_STEP = 32;  // values of a head per tile product
+
+// Tile 0: C, a KV head's query heads' scores at 16 positions (a row each); 1: A, those heads' q,
+// 32 values of the head; 2: B, the 16 positions' K for the same values (a row per pair of dims:
+// K in pairs is the tile's own layout).
+void configure_scores(int64_t group) {
+  TileConfig c;
+  c.rows[0] = c.rows[1] = uint8_t(group);
+  c.rows[2] = 16;
+  c.colsb[0] = c.colsb[1] = c.colsb[2] = 64;
+  load_config(c);
+}
+
+bool amx_fits(const Shape& s) {
+  return s.dim % TILE_STEP == 0 && s.heads / s.kv_heads <= 16 && pairs_fit(s);
+}
+
+// Pass 1 on AMX tiles over K in pairs: each block's positions 16 at a time, each KV head's query
+// heads at once, 32 values a step, read in place; each C row (one head's 16 scores) is stored
+// straight into `scores`, scaled after. Past `len`, the block's other positions are scored too
+// and not kept.
+void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* blocks,
+                const int64_t* offs, int64_t len, const at::BFloat16* q, float scale,
+                float* scores, const Shape& s, int64_t ahead, int64_t hint) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
+  alignas(64) float tail[16 * PAIR_POS];
+  for (int64_t t = 0; t < len; t += PAIR_POS) {
+    const int64_t n = std::min(PAIR_POS, len - t);
+    for (int64_t pos = t; pos < t + n; ++pos)  // the blocks' bytes in order, as rows would be
+      ask_ahead_of_k(kc, vc, offs, pos, len, ahead, row, hint);
+    const at::BFloat16* base =
+        kc + blocks[t / s.block_size] * s.block_size * row + (t % s.block_size) * 2;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const at::BFloat16* k = base + h * s.dim * s.block_size;
+      _tile_zero(0);
+      for (int64_t step = 0; step < s.dim / TILE_STEP; ++step) {
+        _tile_loadd(1, q + h * group * s.dim + step * TILE_STEP, s.dim * 2);
+        _tile_loadd(2, k + step * TILE_STEP * s.block_size, s.block_size * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      float* out = scores + h * group * len + t;
+      if (n == PAIR_POS) {
+        _tile_stored(0, out, len * 4);
+      } else {
+        _tile_stored(0, tail, PAIR_POS * 4);
+        for (int64_t j = 0; j < group; ++j) std::copy(tail + j * PAIR_POS, tail + j * PAIR_POS + n, out + j * len);
+      }
+    }
+  }
+  for (int64_t i = 0; i < s.heads * len; ++i) scores[i] *= scale;
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 constexpr int64_t MAX_GROUP = 8;  // query heads per pass (2 sums each in registers)
@@ -270,10 +271,10 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       offs[pos] = (blocks[b] * s.block_size + o) * row;
   // Pass 1: each head's score per position, on AMX tiles (mode 2), or as one lane sum (mode 0),
   // or kept as part[r, i], head r's products with position t + i, and summed a tile at a time.
-  const bool amx = mode == 2;  // run() passes 2 only for bf16 caches the tiles fit
+  const bool amx = mode == 2;  // run() passes 2 only for bf16 caches in pairs the tiles fit
 #if defined(PREFIXSERVE_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (amx) scores_amx(kc, vc, offs, len, q, scale, scores, s, w.pairs.data(), ahead, hint);
+    if (amx) scores_amx(kc, vc, blocks, offs, len, q, scale, scores, s, ahead, hint);
   }
 #endif
   const bool k_pairs = mode == 3;  // run() passes 3 only for bf16 caches laid out in pairs
@@ -511,13 +512,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
     longest = std::max(longest, lens[i]);
   }
-  // AMX tiles where they fit (bf16, the shape's sizes in 16s and 32s), lane sums elsewhere.
+  // AMX tiles where they fit (a head in 32s, up to 16 query heads a KV head), pair products
+  // elsewhere.
 #if defined(PREFIXSERVE_AMX)
-  if (mode == 2 && !(std::is_same_v<T, at::BFloat16> && amx_fits(s))) mode = 0;
-#else
-  if (mode == 2) mode = 0;
+  if (mode == 2 && !amx_fits(s)) mode = 3;  // K is in pairs either way
 #endif
-  TORCH_CHECK(mode != 3 || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
+  TORCH_CHECK((mode != 2 && mode != 3) || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
               "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
   // One task per thread's share (`shares`). Where no sequence is cut, a task stores each of its
   // sequences' new K/V row (the last position of its table, a block no other sequence holds)
@@ -528,7 +528,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto store = [&](int64_t i) {
     if (knp == nullptr) return;
     const int64_t slot = row_at(tables + i * s.table_width, lens[i] - 1, s, row);
-    if (mode == 3) {
+    if (mode == 2 || mode == 3) {
       const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
       for (int64_t h = 0; h < s.kv_heads; ++h)
         for (int64_t d = 0; d < s.dim; ++d)
@@ -547,8 +547,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t first, int64_t after) {
     const int64_t begin = starts[first], end = starts[after];
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
-              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
-              std::vector<at::BFloat16>(mode == 2 ? s.heads * s.dim : 0)};
+              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L)};
 #if defined(PREFIXSERVE_AMX)
     if (mode == 2) configure_scores(s.heads / s.kv_heads);
 #endif
@@ -581,9 +580,9 @@ bool amx_tiles();  // tile_linear.cpp
 // [n, kv_heads, dim] (rows as q's), each sequence's new token's K/V are first written at its
 // last position (context_lens - 1). `ahead`: rows asked for ahead of their use (0: none), with
 // `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a
-// tile of positions at a time (1), on AMX tiles (2; bf16 where the shape fits, lane sums
-// elsewhere), or from K laid out in pairs (3; bf16, head size in 4s, blocks in 16s: k_cache
-// holds it so, and k_new is stored so); `v_rows`: V rows added per pass over the accumulators
+// tile of positions at a time (1), from K laid out in pairs on AMX tiles (2; as 3, pair
+// products where the tiles do not fit the shape) or with pair products (3; bf16, head size in
+// 4s, blocks in 16s: k_cache holds it so, and k_new is stored so); `v_rows`: V rows added per pass over the accumulators
 // (1 or 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,

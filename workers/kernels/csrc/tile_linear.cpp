@@ -45,7 +45,7 @@ void configure() {
     c.colsb[t] = 64;
     c.rows[t] = 16;
   }
-  _tile_loadconfig(&c);
+  load_config(c);
 }
 
 // One group's outputs for the 16 or 32 rows at x (row stride `xs` bf16), `steps` steps.
