@@ -280,6 +280,31 @@ def test_amx_scores_are_summed_a_step_of_32_values_at_a_time() -> None:
 
 @needs_kernel
 @pytest.mark.skipif(KERNEL is None or not KERNEL.amx_tiles, reason="no AMX-BF16 tiles here")
+@pytest.mark.parametrize("block_size", [16, 32, 48])
+def test_amx_scores_take_a_block_16_positions_a_tile(block_size) -> None:
+    """Blocks of 32 or 48 positions are read a tile of 16 at a time from within the block, the
+    new token's K stored in pairs at its place; rows ending anywhere in a block match the
+    referee."""
+    g = torch.Generator().manual_seed(7)
+    heads, kvh, dim, lens = 9, 3, 64, [1, 17, block_size + 5, 3 * block_size]
+    k_cache, v_cache = (torch.randn(13, block_size, kvh, dim, generator=g).bfloat16()
+                        for _ in range(2))
+    tables = torch.randperm(13, generator=g)[:12].view(4, 3).contiguous()
+    q = torch.randn(4, heads, dim, generator=g).bfloat16()
+    k, v = (torch.randn(4, kvh, dim, generator=g).bfloat16() for _ in range(2))
+    stored = k_pairs.to_pairs(k_cache)
+    out = KERNEL.paged_decode(q, stored, v_cache, tables, torch.tensor(lens), 0.125, k, v, 0, 3,
+                              kv_reads.SCORES["amx"], 1)
+    k_cache = k_pairs.to_rows(stored)
+    for i, ctx in enumerate(lens):
+        last = tables[i, (ctx - 1) // block_size], (ctx - 1) % block_size
+        assert torch.equal(k_cache[last], k[i]) and torch.equal(v_cache[last], v[i])
+        want = referee(q[i], k_cache, v_cache, tables[i], ctx, 0.125)
+        torch.testing.assert_close(out[i].double(), want, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.amx_tiles, reason="no AMX-BF16 tiles here")
 @pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 48), (4, 4, 16), (18, 1, 64)])
 def test_amx_scores_take_pair_products_where_the_tiles_do_not_fit(heads, kvh, dim) -> None:
     """A head not in 32s, or more than 16 query heads a KV head: asked for AMX tiles, the kernel
