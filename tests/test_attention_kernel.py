@@ -19,7 +19,7 @@ from test_sampling import check_argmax
 from test_small_linear import check_small_linear, measured_once
 from test_tile_linear import check_tile_linear
 
-from prefixserve.workers.attention import k_pairs, kv_reads, registry
+from prefixserve.workers.attention import k_pairs, kv_reads, registry, v_pairs
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.kv_reads import KVReads
 from prefixserve.workers.attention.metadata import AttentionMetadata
@@ -43,6 +43,20 @@ def referee(q, k_cache, v_cache, table, ctx, scale):
     v = v.repeat_interleave(heads // kvh, dim=1)
     w = torch.softmax(torch.einsum("hd,chd->hc", q.double(), k) * scale, dim=-1)
     return torch.einsum("hc,chd->hd", w, v)
+
+
+def in_layout(k_cache, v_cache, layout):
+    """Position-major caches as copies in `layout` (`attention.layouts`)."""
+    k = k_pairs.to_pairs(k_cache) if layout != "rows" else k_cache.clone()
+    v = v_pairs.to_pairs(v_cache) if layout == "kv_pairs" else v_cache.clone()
+    return k, v
+
+
+def out_of_layout(k_cache, v_cache, layout):
+    """The inverse of `in_layout`."""
+    k = k_pairs.to_rows(k_cache) if layout != "rows" else k_cache
+    v = v_pairs.to_rows(v_cache) if layout == "kv_pairs" else v_cache
+    return k, v
 
 
 def decode_step(ctx_lens, heads, kvh, dim, dtype, seed=0):
@@ -130,11 +144,14 @@ def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
     backend = CPUPagedBackend(kernel)
     if reads is not None:
         backend.reads[dtype] = reads
-    paired = backend.k_layout(dtype, BS, dim, heads) == "pairs"
-    assert paired == (dtype == torch.bfloat16 and backend.reads[dtype].scores in kv_reads.PAIRED)
-    stored = k_pairs.to_pairs(k_cache) if paired else k_cache
-    out = backend.forward(q, k, v, stored, v_cache, meta, scale)
-    k_cache = k_pairs.to_rows(stored) if paired else stored  # with the new rows
+    layout = backend.kv_layout(dtype, BS, dim, heads)
+    scores = backend.reads[dtype].scores
+    assert (layout != "rows") == (dtype == torch.bfloat16 and scores in kv_reads.PAIRED)
+    assert (layout == "kv_pairs") == (layout != "rows" and scores == "amx" and dim % 32 == 0
+                                      and dim <= 64 and heads <= 16)
+    stored = in_layout(k_cache, v_cache, layout)
+    out = backend.forward(q, k, v, *stored, meta, scale)
+    k_cache, v_cache = out_of_layout(*stored, layout)  # with the new rows
     assert out.shape == (len(ctx_lens), heads * dim) and out.dtype == dtype
     for i, ctx in enumerate(ctx_lens):
         want = referee(q[i], k_cache, v_cache, tables[i], ctx, scale)
@@ -163,10 +180,10 @@ def test_a_decode_step_stores_its_kv_where_the_slot_mapping_says(dtype) -> None:
     step = ([1, BS, BS + 1, 37, 64], 9, 3, 64, dtype)
     q, k, v, got_k, got_v, meta, _ = decode_step(*step)
     backend = CPUPagedBackend(KERNEL)
-    paired = backend.k_layout(dtype, BS, 64, 9) == "pairs"  # as measured here
-    stored = k_pairs.to_pairs(got_k) if paired else got_k
-    got = backend.forward(q, k, v, stored, got_v, meta, 0.125)
-    got_k = k_pairs.to_rows(stored) if paired else stored
+    layout = backend.kv_layout(dtype, BS, 64, 9)  # as measured here
+    stored = in_layout(got_k, got_v, layout)
+    got = backend.forward(q, k, v, *stored, meta, 0.125)
+    got_k, got_v = out_of_layout(*stored, layout)
     q, k, v, k_cache, v_cache, meta, _ = decode_step(*step)
     before = k_cache.clone()
     want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.125)
@@ -242,7 +259,7 @@ def test_asking_for_rows_ahead_changes_no_value(dtype, reads) -> None:
                             None, None, -1)
     for args, error in [((0, 3, 0, 2), "v_rows must be 1 or 4, not 2"),
                         ((0, 1, 0, 1), "hint must be 0, 2 or 3, not 1"),
-                        ((0, 3, 4, 1), "scores must be 0 to 3, not 4")]:
+                        ((0, 3, 5, 1), "scores must be 0 to 4, not 5")]:
         with pytest.raises(RuntimeError, match=error):
             KERNEL.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, 0.125,
                                 None, None, *args)
@@ -280,22 +297,30 @@ def test_amx_scores_are_summed_a_step_of_32_values_at_a_time() -> None:
 
 @needs_kernel
 @pytest.mark.skipif(KERNEL is None or not KERNEL.amx_tiles, reason="no AMX-BF16 tiles here")
+@pytest.mark.parametrize("layout", ["k_pairs", "kv_pairs"])
 @pytest.mark.parametrize("block_size", [16, 32, 48])
-def test_amx_scores_take_a_block_16_positions_a_tile(block_size) -> None:
-    """Blocks of 32 or 48 positions are read a tile of 16 at a time from within the block, the
-    new token's K stored in pairs at its place; rows ending anywhere in a block match the
-    referee."""
+@pytest.mark.parametrize("dim", [32, 64])
+def test_amx_tiles_take_a_block_16_positions_a_tile(dim, block_size, layout) -> None:
+    """Scores on AMX tiles (and with V in pairs the weighted sum too) read blocks of 16, 32 or
+    48 positions a tile of 16 at a time from within the block, the new token's K (and V) stored
+    in pairs at its place; rows ending anywhere in a block match the referee, the positions
+    past a row's end weighing nothing whatever the block holds there (NaN here)."""
     g = torch.Generator().manual_seed(7)
-    heads, kvh, dim, lens = 9, 3, 64, [1, 17, block_size + 5, 3 * block_size]
+    heads, kvh, lens = 9, 3, [1, 17, block_size + 5, 3 * block_size]
     k_cache, v_cache = (torch.randn(13, block_size, kvh, dim, generator=g).bfloat16()
                         for _ in range(2))
     tables = torch.randperm(13, generator=g)[:12].view(4, 3).contiguous()
+    for i, ctx in enumerate(lens):  # past each row's end (its new token's slot included): NaN
+        for at in range(ctx - 1, 3 * block_size):
+            k_cache[tables[i, at // block_size], at % block_size] = float("nan")
+            v_cache[tables[i, at // block_size], at % block_size] = float("nan")
     q = torch.randn(4, heads, dim, generator=g).bfloat16()
     k, v = (torch.randn(4, kvh, dim, generator=g).bfloat16() for _ in range(2))
-    stored = k_pairs.to_pairs(k_cache)
-    out = KERNEL.paged_decode(q, stored, v_cache, tables, torch.tensor(lens), 0.125, k, v, 0, 3,
-                              kv_reads.SCORES["amx"], 1)
-    k_cache = k_pairs.to_rows(stored)
+    stored = in_layout(k_cache, v_cache, layout)
+    code = kv_reads.AMX_V_PAIRS if layout == "kv_pairs" else kv_reads.SCORES["amx"]
+    out = KERNEL.paged_decode(q, *stored, tables, torch.tensor(lens), 0.125, k, v, 0, 3, code, 1)
+    k_cache, v_cache = out_of_layout(*stored, layout)
+    assert not out.isnan().any()
     for i, ctx in enumerate(lens):
         last = tables[i, (ctx - 1) // block_size], (ctx - 1) % block_size
         assert torch.equal(k_cache[last], k[i]) and torch.equal(v_cache[last], v[i])

@@ -1,7 +1,8 @@
-"""K laid out in pairs within each block (workers/attention/k_pairs.py): its store and gather
-against the position-major cache's, the kernel's decode and the backend's mixed steps over it,
-and an engine that chose it, in bf16, against transformers through prefix hits, chunked
-prefill, preemption and both KV tiers, and disk files that workers of either order share."""
+"""K laid out in pairs within each block (workers/attention/k_pairs.py), and V in pairs of
+positions (v_pairs.py): their store and gather against the position-major cache's, the kernel's
+decode and the backend's mixed steps over them, and an engine that chose them, in bf16, against
+transformers through prefix hits, chunked prefill, preemption and both KV tiers, and disk files
+that workers of any order share (layouts.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_attention_kernel import KERNEL
+from test_attention_kernel import KERNEL, in_layout, out_of_layout
 from test_engine import assert_agrees_teacher_forced, prompts, write_checkpoint
 
 from prefixserve.router.sampling_params import SamplingParams
-from prefixserve.workers.attention import k_pairs, kv_reads
+from prefixserve.workers.attention import k_pairs, kv_reads, layouts, v_pairs
 from prefixserve.workers.attention.cpu_paged import CPUPagedBackend
 from prefixserve.workers.attention.kv_reads import KVReads
 from prefixserve.workers.attention.metadata import AttentionMetadata
@@ -47,20 +48,56 @@ def test_store_and_gather_agree_with_the_position_major_cache() -> None:
     for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
         blocks = torch.tensor(blocks)
         assert torch.equal(k_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
-    block = torch.randn(2, 2, bs, kvh, dim, generator=g).to(BF16)  # layers, K/V: a disk copy
-    on_disk = k_pairs.block_to_rows(block)
-    assert torch.equal(on_disk[:, 0], k_pairs.to_rows(block[:, 0]))
-    assert torch.equal(on_disk[:, 1], block[:, 1])  # V as it is
-    assert torch.equal(k_pairs.block_to_pairs(on_disk), block)
     assert k_pairs.fits(16, 64) and k_pairs.fits(32, 4)
     assert not k_pairs.fits(8, 64) and not k_pairs.fits(16, 6)
 
 
+def test_v_in_pairs_of_positions_stores_and_gathers_as_the_position_major_cache() -> None:
+    """V stored in pairs of positions and read back is V stored position-major; a position's
+    values sit beside its neighbour's, dim by dim; the kernel's tiles take heads of 32 or 64
+    values, up to 16 query heads, blocks in 16s."""
+    g = torch.Generator().manual_seed(4)
+    nb, bs, kvh, dim = 6, 32, 3, 8
+    rows = torch.randn(nb, bs, kvh, dim, generator=g).to(BF16)
+    pairs = v_pairs.to_pairs(rows)
+    assert pairs.shape == rows.shape and not torch.equal(pairs, rows)
+    assert torch.equal(v_pairs.to_rows(pairs), rows)
+    within = pairs.view(nb, kvh, bs // 2, dim, 2)  # each block's order
+    assert within[2, 1, 8, 5].tolist() == rows[2, 16:18, 1, 5].tolist()
+    slots = torch.tensor([5, 40, 191, 64, 0])
+    new = torch.randn(5, kvh, dim, generator=g).to(BF16)
+    store_rows(new, rows, slots)
+    v_pairs.store(new, pairs, slots)
+    assert torch.equal(v_pairs.to_rows(pairs), rows)
+    for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
+        blocks = torch.tensor(blocks)
+        assert torch.equal(v_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
+    assert v_pairs.fits(16, 64, 9) and v_pairs.fits(32, 32, 16)
+    assert not any([v_pairs.fits(8, 64, 9), v_pairs.fits(16, 128, 9), v_pairs.fits(16, 48, 9),
+                    v_pairs.fits(16, 64, 17)])
+
+
+@pytest.mark.parametrize("layout", layouts.LAYOUTS)
+def test_a_disk_copy_of_a_block_is_position_major_in_any_layout(layout: str) -> None:
+    """A whole block's copy [layers, K/V, ...] converts to K and V position-major and back."""
+    g = torch.Generator().manual_seed(5)
+    block = torch.randn(2, 2, 16, 3, 8, generator=g).to(BF16)
+    on_disk = layouts.block_to_rows(block, layout)
+    k_rows = block[:, 0] if layout == "rows" else k_pairs.to_rows(block[:, 0])
+    v_rows = v_pairs.to_rows(block[:, 1]) if layout == "kv_pairs" else block[:, 1]
+    assert torch.equal(on_disk[:, 0], k_rows) and torch.equal(on_disk[:, 1], v_rows)
+    assert torch.equal(layouts.block_from_rows(on_disk, layout), block)
+
+
 @needs_pairs
-def test_a_mixed_step_over_k_in_pairs_prefills_as_sdpa_does() -> None:
+@pytest.mark.parametrize("scores,layout", [("pairs", "k_pairs"), ("amx", "kv_pairs")])
+def test_a_mixed_step_over_pairs_prefills_as_sdpa_does(scores: str, layout: str) -> None:
     """Decode rows and prefill chunks (one with a cached prefix, read back from the pairs) in
-    one step: the prefill rows equal the torch backend's over the position-major cache
-    exactly, the decode rows within bf16 rounding, and the caches hold the same rows."""
+    one step, K in pairs (and with AMX tiles V too): the prefill rows equal the torch backend's
+    over the position-major cache exactly, the decode rows within bf16 rounding, and the
+    caches hold the same rows."""
+    if scores == "amx" and not KERNEL.amx_tiles:
+        pytest.skip("no AMX-BF16 tiles here")
     heads, kvh, dim, bs = 8, 2, 32, 16
     q_lens, ctx_lens = [1, 7, 1, 20, 1], [40, 7, 17, 52, 3]
     tables = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
@@ -71,15 +108,17 @@ def test_a_mixed_step_over_k_in_pairs_prefills_as_sdpa_does() -> None:
     q = torch.randn(t, heads, dim, generator=g).to(BF16)
     k, v = (torch.randn(t, kvh, dim, generator=g).to(BF16) for _ in range(2))
     backend = CPUPagedBackend(KERNEL)
-    backend.reads[BF16] = KVReads(32, "t1", "pairs", 4)
-    assert backend.k_layout(BF16, bs, dim, heads) == "pairs"
-    assert backend.k_layout(BF16, 8, dim, heads) == "rows"  # blocks shorter than a vector
-    got_k, got_v = k_pairs.to_pairs(k_cache), v_cache.clone()
+    backend.reads[BF16] = KVReads(32, "t1", scores, 4)
+    assert backend.kv_layout(BF16, bs, dim, heads) == layout
+    assert backend.kv_layout(BF16, 8, dim, heads) == "rows"  # blocks shorter than a vector
+    assert backend.kv_layout(BF16, bs, 16, heads) == "k_pairs"  # too short a head for V's tiles
+    stored = in_layout(k_cache, v_cache, layout)
     meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs)
-    got = backend.forward(q, k, v, got_k, got_v, meta, 0.2)
+    got = backend.forward(q, k, v, *stored, meta, 0.2)
     meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs)
     want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.2)
-    assert torch.equal(k_pairs.to_rows(got_k), k_cache) and torch.equal(got_v, v_cache)
+    got_k, got_v = out_of_layout(*stored, layout)
+    assert torch.equal(got_k, k_cache) and torch.equal(got_v, v_cache)
     decode_rows = [0, 8, 29]
     prefill_rows = [r for r in range(t) if r not in decode_rows]
     assert torch.equal(got[prefill_rows], want[prefill_rows])
@@ -98,7 +137,7 @@ def test_k_in_pairs_takes_lane_sums_where_the_shape_does_not_fit() -> None:
     k, v = (torch.randn(2, kvh, dim, generator=g).to(BF16) for _ in range(2))
     backend = CPUPagedBackend(KERNEL)
     backend.reads[BF16] = KVReads(0, "t0", "pairs", 1)
-    assert backend.k_layout(BF16, bs, dim, heads) == "rows"
+    assert backend.kv_layout(BF16, bs, dim, heads) == "rows"
 
     def run(b):
         meta = AttentionMetadata.build([1, 1], [5, 20], [[4], [0, 3, 5]], bs)
@@ -119,24 +158,24 @@ def pinned_engine(path: Path, disk: Path, scores: str, monkeypatch, **kw) -> LLM
 
 def layout(eng: LLMEngine) -> str:
     c = eng.model_config
-    return eng.model.attention.k_layout(BF16, 16, c.head_dim, c.num_attention_heads)
+    return eng.model.attention.kv_layout(BF16, 16, c.head_dim, c.num_attention_heads)
 
 
 @needs_pairs
-@pytest.mark.parametrize("scores", ["pairs", "amx"])
-def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tiers(
-        scores: str, tmp_path: Path, monkeypatch) -> None:
-    """Pinned to K in pairs, read with pair products or on AMX tiles (heads of 32, which the
-    tiles take): bf16 greedy tokens pass the low-precision referee cold, with prefix hits from
-    the pool, under chunked prefill and preemption, and with the prefixes back from the host
-    tier and from disk."""
+@pytest.mark.parametrize("scores,order", [("pairs", "k_pairs"), ("amx", "kv_pairs")])
+def test_an_engine_with_kv_in_pairs_agrees_with_transformers_through_hits_and_tiers(
+        scores: str, order: str, tmp_path: Path, monkeypatch) -> None:
+    """Pinned to K in pairs read with pair products, or to AMX tiles over K and V in pairs
+    (heads of 32, which the tiles take): bf16 greedy tokens pass the low-precision referee
+    cold, with prefix hits from the pool, under chunked prefill and preemption, and with the
+    prefixes back from the host tier and from disk."""
     if scores == "amx" and not KERNEL.amx_tiles:
         pytest.skip("no AMX-BF16 tiles here")
     model = write_checkpoint(tmp_path / "llama", "llama", heads=2)
     eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", scores, monkeypatch,
                         num_blocks=14, max_num_seqs=4, max_num_batched_tokens=48,
                         kv_offloading_size=64 * 2**20 / 2**30)
-    assert layout(eng) == "pairs"
+    assert layout(eng) == order
     hf = copy.deepcopy(model).to(BF16)
     batch = prompts(40, 44, 36, 50, start=11)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
@@ -155,22 +194,25 @@ def test_an_engine_with_k_in_pairs_agrees_with_transformers_through_hits_and_tie
 
 
 @needs_pairs
-def test_disk_files_are_position_major_so_either_order_loads_them(tmp_path: Path,
-                                                                  monkeypatch) -> None:
+def test_disk_files_are_position_major_so_any_order_loads_them(tmp_path: Path,
+                                                               monkeypatch) -> None:
     """A warm restart across orders: a worker with K in pairs writes its prefix's blocks, one
-    with K position-major loads them from the same folder (and writes its own), and one with
-    K in pairs again loads those; every load a hit, every answer the referee's."""
-    model = write_checkpoint(tmp_path / "llama", "llama")
+    with K and V position-major loads them from the same folder (and writes its own), and one
+    with K and V in pairs (AMX tiles; K in pairs where the CPU has none) loads those; every
+    load a hit, every answer the referee's."""
+    model = write_checkpoint(tmp_path / "llama", "llama", heads=2)
     hf = copy.deepcopy(model).to(BF16)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, ignore_eos=True)
     first, second = prompts(48, start=5), prompts(48, start=77)
     writer = None
-    for scores, reads, writes in [("pairs", None, first), ("lanes", first, second),
-                                  ("pairs", second, None)]:
+    last = ("amx", "kv_pairs") if KERNEL.amx_tiles else ("pairs", "k_pairs")
+    for (scores, order), reads, writes in [(("pairs", "k_pairs"), None, first),
+                                           (("lanes", "rows"), first, second),
+                                           (last, second, None)]:
         if writer is not None:
             writer.tiers.close()  # the dead worker's folder is free for the next
         eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", scores, monkeypatch)
-        assert layout(eng) == ("pairs" if scores == "pairs" else "rows")
+        assert layout(eng) == order
         if reads is not None:
             loaded = eng.generate(reads, params)
             assert loaded[0].num_cached_tokens == 32  # the full blocks before the last token

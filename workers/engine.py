@@ -88,9 +88,9 @@ class LLMEngine(EngineCore):
         graphs = DecodeGraphs(model, self.kv_cache, self.block_size, config.max_num_seqs,
                               self.max_model_len, num_blocks) if decode_graphs else None
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, graphs)
-        k_layout = model.attention.k_layout(weight.dtype, config.block_size, mc.head_dim,
-                                            mc.num_attention_heads)
-        tiers = build_tiers(config, self.kv, self.kv_cache, model_fingerprint, k_layout)
+        order = model.attention.kv_layout(weight.dtype, config.block_size, mc.head_dim,
+                                          mc.num_attention_heads)
+        tiers = build_tiers(config, self.kv, self.kv_cache, model_fingerprint, order)
         if tiers is not None:
             self.attach_tiers(tiers)
         self.lora_store = LoRAStore(self._read_lora, self._adapters_in_use, device,

@@ -24,10 +24,10 @@ class AttentionBackend(ABC):
         """What the backend measures or builds for the model's dtype, done at start rather than
         in the first step."""
 
-    def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
-        """How K is ordered within a block: `rows` (position-major, as the tensor's shape
-        reads), or `pairs` (`attention.k_pairs`). Whole blocks move the same either way; a KV
-        file on disk holds K position-major either way."""
+    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+        """How K and V are ordered within a block, one of `attention.layouts.LAYOUTS`: `rows`
+        (position-major, as the tensor's shape reads) unless the backend reads them otherwise.
+        Whole blocks move the same in any order; a KV file on disk holds them position-major."""
         return "rows"
 
     @abstractmethod

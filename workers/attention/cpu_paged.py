@@ -7,8 +7,9 @@ the kernel also stores the new K/V rows and reads q, k and v as views of the fus
 output, so a layer's attention is one call. Prefill chunks carry many query rows, where SDPA's
 kernel is already efficient, so they keep the torch backend's path. How the kernel reads K/V
 (rows asked for ahead and how, how scores are computed, V rows per pass) is measured per dtype
-(`attention.kv_reads`); where the fastest reads K laid out in pairs (`attention.k_pairs`), this
-backend stores and gathers K in that order.
+(`attention.kv_reads`); where the fastest reads K laid out in pairs (`attention.k_pairs`), and
+on AMX tiles V in pairs of positions (`attention.v_pairs`), this backend stores and gathers them
+in that order (`attention.layouts`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from types import ModuleType
 
 import torch
 
-from prefixserve.workers.attention import k_pairs
+from prefixserve.workers.attention import k_pairs, v_pairs
 from prefixserve.workers.attention.base import AttentionBackend
-from prefixserve.workers.attention.kv_reads import PAIRED, SCORES, KVReads, kv_reads
+from prefixserve.workers.attention.kv_reads import AMX_V_PAIRS, PAIRED, SCORES, KVReads, kv_reads
 from prefixserve.workers.attention.metadata import AttentionMetadata
 from prefixserve.workers.attention.torch_sdpa import (
     Prefill,
@@ -37,20 +38,20 @@ class PagedPlan:
     tables: torch.Tensor  # [n, width] their block tables
     lens: torch.Tensor  # [n] their context lengths
     prefills: list[Prefill]
-    paired: bool  # K laid out in pairs (`CPUPagedBackend.k_layout`)
+    layout: str  # the order of K and V within a block (`CPUPagedBackend.kv_layout`)
 
     @classmethod
     def make(cls, meta: AttentionMetadata, block_size: int, dtype: torch.dtype,
-             paired: bool) -> PagedPlan:
+             layout: str) -> PagedPlan:
         q_lens, _ = meta.host_lens()
         decode = [i for i, q in enumerate(q_lens) if q == 1]
         if len(decode) == len(q_lens):
-            return cls(None, meta.block_tables, meta.context_lens, [], paired)
+            return cls(None, meta.block_tables, meta.context_lens, [], layout)
         idx = torch.tensor(decode, dtype=torch.long, device=meta.slot_mapping.device)
         rows = meta.query_start_loc.index_select(0, idx)
         return cls(rows, meta.block_tables.index_select(0, idx).contiguous(),
                    meta.context_lens.index_select(0, idx),
-                   prefill_plans(meta, block_size, dtype), paired)
+                   prefill_plans(meta, block_size, dtype), layout)
 
 
 class CPUPagedBackend(AttentionBackend):
@@ -67,13 +68,16 @@ class CPUPagedBackend(AttentionBackend):
         if dtype not in self.reads:
             self.reads[dtype] = kv_reads(self.kernel, dtype)
 
-    def k_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
-        """`pairs` where the measured reads take K in pairs and the kernel takes the shape."""
+    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+        """`k_pairs` where the measured reads take K in pairs and the kernel takes the shape,
+        `kv_pairs` where they are AMX tiles and the tiles take V in pairs too."""
         self.prepare(dtype)
-        paired = (dtype == torch.bfloat16 and self.reads[dtype].scores in PAIRED
-                  and k_pairs.fits(block_size, head_dim) and head_dim <= self.kernel.max_head_dim
-                  and heads <= self.kernel.max_heads)
-        return "pairs" if paired else "rows"
+        scores = self.reads[dtype].scores
+        if not (dtype == torch.bfloat16 and scores in PAIRED and k_pairs.fits(block_size, head_dim)
+                and head_dim <= self.kernel.max_head_dim and heads <= self.kernel.max_heads):
+            return "rows"
+        return "kv_pairs" if scores == "amx" and v_pairs.fits(block_size, head_dim, heads) \
+            else "k_pairs"
 
     def forward(
         self,
@@ -90,22 +94,22 @@ class CPUPagedBackend(AttentionBackend):
             return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
         if meta.backend_state is None:  # the first layer's: the step's plan
             block_size = k_cache.shape[1]
-            paired = self.k_layout(q.dtype, block_size, dim, heads) == "pairs"
-            meta.backend_state = PagedPlan.make(meta, block_size, q.dtype, paired)
+            layout = self.kv_layout(q.dtype, block_size, dim, heads)
+            meta.backend_state = PagedPlan.make(meta, block_size, q.dtype, layout)
         plan: PagedPlan = meta.backend_state
-        paired = plan.paired
+        k_paired, v_paired = plan.layout != "rows", plan.layout == "kv_pairs"
         reads = self.reads[q.dtype]
-        # reads measured with K in pairs, on a shape that does not take them: lane sums
-        scores = SCORES["lanes"] if reads.scores in PAIRED and not paired else reads.scores_code
+        scores = reads.scores_code
+        if reads.scores in PAIRED and not k_paired:  # a shape that does not take pairs
+            scores = SCORES["lanes"]
+        elif v_paired:
+            scores = AMX_V_PAIRS
         if plan.rows is None:  # every row decodes: its new K/V stored by the kernel
             return self.kernel.paged_decode(q, k_cache, v_cache, plan.tables, plan.lens, scale,
                                             k, v, reads.ahead, reads.hint_code, scores,
                                             reads.v_rows).view(t, -1)
-        if paired:
-            k_pairs.store(k, k_cache, meta.slot_mapping)
-        else:
-            store_rows(k, k_cache, meta.slot_mapping)
-        store_rows(v, v_cache, meta.slot_mapping)
+        (k_pairs.store if k_paired else store_rows)(k, k_cache, meta.slot_mapping)
+        (v_pairs.store if v_paired else store_rows)(v, v_cache, meta.slot_mapping)
         out = q.new_empty(t, heads * dim)
         if plan.rows.numel():
             o = self.kernel.paged_decode(q.index_select(0, plan.rows), k_cache, v_cache,
@@ -113,5 +117,5 @@ class CPUPagedBackend(AttentionBackend):
                                          reads.ahead, reads.hint_code, scores, reads.v_rows)
             out.index_copy_(0, plan.rows, o.view(-1, heads * dim))
         prefill_into(out, q, k, v, k_cache, v_cache, plan.prefills, scale,
-                     k_pairs.gather if paired else None)
+                     k_pairs.gather if k_paired else None, v_pairs.gather if v_paired else None)
         return out

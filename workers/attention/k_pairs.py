@@ -4,11 +4,11 @@ A layer's K cache keeps its shape, [num_blocks, block_size, kv_heads, head_dim],
 per block; only the order within a block changes, to [kv_heads, head_dim / 2, block_size, 2]:
 16 positions' values of one pair of a head's dims are then one 64-byte vector, the shape
 AVX512-BF16's pair product takes, so the decode kernel has 16 positions' scores per vector with
-no sum across lanes. Whole blocks move as before (copy-on-write, the KV tiers); what reads or
-writes single positions goes through here: the step's new rows (`store`), a prefill chunk's
-cached prefix (`gather`), and a block's copy on disk, which is position-major whatever the
-pool's order (`block_to_rows`, `block_to_pairs`), so that workers of either order share files
-and a warm restart finds them. V keeps the position-major order.
+no sum across lanes. Whole blocks move as before (copy-on-write, the KV tiers; a copy on disk is
+position-major whatever the pool's order: `attention.layouts`); what reads or writes single
+positions goes through here: the step's new rows (`store`) and a prefill chunk's cached prefix
+(`gather`). V keeps the position-major order, or is laid out in pairs of positions for AMX tiles
+(`attention.v_pairs`).
 """
 
 from __future__ import annotations
@@ -42,21 +42,6 @@ def gather(k_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Te
     paired = _paired(k_cache).index_select(0, blocks)  # [n, kvh, dim / 2, bs, 2]
     rows = paired.permute(1, 0, 3, 2, 4).reshape(kvh, -1, dim)  # [kvh, n * bs, dim]
     return rows[:, :length].unsqueeze(0)
-
-
-def block_to_rows(block: torch.Tensor) -> torch.Tensor:
-    """A whole block's copy [layers, 2, block_size, kv_heads, head_dim] with K in pairs, as a
-    new one with K position-major (what a KV file on disk holds, whatever the pool's order)."""
-    out = block.clone()
-    out[:, 0] = to_rows(block[:, 0])
-    return out
-
-
-def block_to_pairs(block: torch.Tensor) -> torch.Tensor:
-    """The inverse of `block_to_rows`."""
-    out = block.clone()
-    out[:, 0] = to_pairs(block[:, 0])
-    return out
 
 
 def to_pairs(rows: torch.Tensor) -> torch.Tensor:

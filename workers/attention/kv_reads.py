@@ -13,7 +13,7 @@ Each depends on the CPU, not on the model:
   more.
 - On an Intel Xeon with AMX, score tiles and bf16 pair products over position-major K measured
   slower than lane sums; over K in pairs, the pair products were faster, and AMX tiles, which
-  take K in pairs as their own layout, faster still.
+  take K in pairs (and V in pairs of positions) as their own layout, faster still.
 - On an AMD EPYC (Zen 4), K laid out in pairs (`attention.k_pairs`; bf16 on a CPU with
   AVX512-BF16) cut bf16 attention at 32 streams by a fifth from memory against the best of the
   others (lane sums there: score tiles were slower).
@@ -24,7 +24,8 @@ pins the distance (0: none), ``PREFIXSERVE_KV_PREFETCH_HINT`` the hint (``t0``, 
 ``nta``), ``PREFIXSERVE_KV_SCORES`` the scores (``lanes``, ``tiles``, ``amx``: bf16 on a CPU
 with AMX, or ``pairs``: bf16 on a CPU with AVX512-BF16) and ``PREFIXSERVE_KV_V_ROWS`` the V
 rows (1 or 4); what is pinned is not timed. The choice is made once, at start, before any K is
-stored: with ``amx`` or ``pairs`` the backend stores K in pairs for the process's life.
+stored: with ``amx`` or ``pairs`` the backend stores K in pairs for the process's life, and
+with ``amx``, where the tiles take the shape, V in pairs of positions (`attention.layouts`).
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ HINTS = {"t0": 3, "t1": 2, "nta": 0}  # the prefetch hint's name: its locality, 
 V_ROWS = (1, 4)  # what the kernel is compiled for
 SCORES = {"lanes": 0, "tiles": 1, "amx": 2, "pairs": 3}  # the kernel's code for each
 PAIRED = ("amx", "pairs")  # the scores that read K laid out in pairs (`attention.k_pairs`)
+AMX_V_PAIRS = 4  # the kernel's code for `amx` with V in pairs too (`attention.v_pairs`)
 MAX_PINNED = 1 << 20  # a pin past any context (and the kernel's int64) is a typo, refused at start
 PROBE_BYTES = 256 << 20  # K/V read per timed pass
 PROBE = (32, 576, 9, 3, 64, 16)  # sequences, tokens each, query and KV heads, head size, block
@@ -133,10 +135,13 @@ def _measured(kernel: ModuleType, dtype: torch.dtype, threads: int,
     lens = torch.full((seqs,), tokens)
     q = torch.full((seqs, heads, dim), 0.01, dtype=dtype)
 
+    def code(reads: KVReads) -> int:  # `amx` as the probe's shape runs it: V in pairs too
+        return AMX_V_PAIRS if reads.scores == "amx" else reads.scores_code
+
     def run(reads: KVReads) -> None:
         for k, v in caches:
             kernel.paged_decode(q, k, v, tables, lens, 0.125, None, None, reads.ahead,
-                                reads.hint_code, reads.scores_code, reads.v_rows)
+                                reads.hint_code, code(reads), reads.v_rows)
 
     times = {reads: best_ms(functools.partial(run, reads), REPS) for reads in choices}
     chosen = min(times, key=times.get)

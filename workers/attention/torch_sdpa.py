@@ -166,9 +166,11 @@ def prefill_into(
     out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, prefills: list[Prefill], scale: float,
     gather_k: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    gather_v: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
 ) -> None:
     """Each prefill chunk's attention, one SDPA call per sequence, into its rows of `out`.
-    `gather_k` reads a cached prefix's K where K is not position-major."""
+    `gather_k` and `gather_v` read a cached prefix's K and V where they are not
+    position-major."""
     heads, dim = q.shape[1:]
     for p in prefills:
         qp = q[p.start : p.end].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -177,7 +179,7 @@ def prefill_into(
             vp = v[p.start : p.end].transpose(0, 1).unsqueeze(0)
         else:
             kp = (gather_k or _gather)(k_cache, p.blocks, p.context_len)
-            vp = _gather(v_cache, p.blocks, p.context_len)
+            vp = (gather_v or _gather)(v_cache, p.blocks, p.context_len)
         o = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, is_causal=p.mask is None, scale=scale,
             enable_gqa=True,

@@ -21,9 +21,10 @@ GIB = 2**30
 
 
 def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor,
-                fingerprint: str, k_layout: str = "rows") -> TieredKV | None:
+                fingerprint: str, order: str = "rows") -> TieredKV | None:
     """Host and disk tiers under `kv` as `config` sizes them; None when it asks for neither.
-    `k_layout`: the pool's order of K within a block (the disk's files are position-major)."""
+    `order`: the pool's order of K and V within a block (the disk's files are position-major:
+    `attention.layouts`)."""
     io = BlockIO(kv_cache)
     host = disk = None
     slots = int(config.kv_offloading_size * GIB) // io.block_bytes
@@ -40,7 +41,7 @@ def build_tiers(config: EngineConfig, kv: KVCacheManager, kv_cache: torch.Tensor
             fingerprint = f"{fingerprint}+{config.quantization}"
         key, layout = layout_key(fingerprint, config.block_size, dtype, io.block_shape)
         disk = DiskTier(Path(config.kv_disk_dir).expanduser(), key, layout, io.block_shape,
-                        io.dtype, int(config.kv_disk_size * GIB), k_layout=k_layout)
+                        io.dtype, int(config.kv_disk_size * GIB), order=order)
         disk.scan()
     if host is None and disk is None:
         return None

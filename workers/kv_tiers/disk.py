@@ -3,8 +3,9 @@ the engine thread, and found again by the next worker of the same model (a warm 
 
 Folder: ``<kv_disk_dir>/<layout key>/worker-<k>/``. The layout key (``disk_format.layout_key``)
 names the model, block size, dtype and tensor layout, so a folder of another model or layout is
-never opened (one log line says it is there). A file holds K position-major whatever the pool's
-order within a block (``attention.k_pairs``), so workers that chose either order share files.
+never opened (one log line says it is there). A file holds K and V position-major whatever the
+pool's order within a block (``attention.layouts``), so workers that chose differently share
+files.
 ``worker-<k>`` is the first one whose lock file this process can lock: workers of one node
 share the directory without sharing files, and a worker that replaces a dead one (whose lock
 died with it) takes over its blocks.
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prefixserve.workers.attention import k_pairs
+from prefixserve.workers.attention import layouts
 from prefixserve.workers.kv_tiers.base import LoadFailed
 from prefixserve.workers.kv_tiers.disk_format import (
     HEADER,
@@ -80,11 +81,12 @@ def claim_folder(root: Path, key: bytes, layout: dict) -> tuple[Path, int]:
 class DiskTier:
     def __init__(self, root: Path, key: bytes, layout: dict, block_shape: Sequence[int],
                  dtype: torch.dtype, capacity_bytes: int,
-                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, k_layout: str = "rows") -> None:
-        """`k_layout`: the pool's order of K within a block; a file holds K position-major
-        either way (`attention.k_pairs`), converted on the writer and reader threads."""
+                 min_free_bytes: int = DEFAULT_MIN_FREE_BYTES, order: str = "rows") -> None:
+        """`order`: the pool's order of K and V within a block; a file holds them
+        position-major whatever it is (`attention.layouts`), converted on the writer and reader
+        threads."""
         self.key = key
-        self.paired = k_layout == "pairs"
+        self.order = order
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
         self.block_bytes = int(np.prod(block_shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -194,8 +196,7 @@ class DiskTier:
 
     def _write(self, block_hash: bytes, data: torch.Tensor) -> None:
         """On the writer thread."""
-        if self.paired:
-            data = k_pairs.block_to_rows(data)
+        data = layouts.block_to_rows(data, self.order)
         payload = data.contiguous().view(torch.uint8).numpy().reshape(-1)
         try:
             write_block(self.folder, self.key, block_hash, memoryview(payload))
@@ -247,7 +248,7 @@ class DiskTier:
                 break
             block = torch.frombuffer(payload, dtype=torch.uint8).view(self.dtype).reshape(
                 self.block_shape)
-            out.append(k_pairs.block_to_pairs(block) if self.paired else block)
+            out.append(layouts.block_from_rows(block, self.order))
         return out
 
     def discard(self, block_hash: bytes) -> None:

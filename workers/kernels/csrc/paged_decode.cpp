@@ -20,6 +20,11 @@
 //   CPU's tile unit, 32 values a step, and stores each head's 16 scores straight from the C tile.
 //   On an Intel Xeon with AMX that cut bf16 attention at 32 streams by a sixth from memory and by
 //   two-fifths in cache against the pair products (shapes the tiles do not fit take those).
+// - With `scores` = 4 (bf16 with AMX), pass 1 is 2's, and V is laid out in pairs of positions
+//   within each block ([kv_heads, block_size / 2, dim, 2]: see v_pair_at; the caller stores it
+//   so), the B operand's layout for the weighted sum: pass 2 multiplies 16 positions' weights of
+//   every query head (A, rounded to bf16) by their V (B), 16 dims a tile, on the tile unit too
+//   (heads of up to 64 values and up to 16 query heads: the caller asks only where they fit).
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
@@ -130,6 +135,7 @@ inline Vec sums(const Vec* v) {
 struct Scratch {
   std::vector<int64_t> offs;  // [len]
   std::vector<float> scores, part, acc;  // [heads, len], [heads, L, L], [heads, chunks * L]
+  std::vector<at::BFloat16> weights, tail;  // mode 4: [kv_heads, heads, 16] zeroed, [16 * dim]
 };
 
 // Where K's value (position o of a block, KV head h, dim d) sits within the block when K is laid
@@ -194,6 +200,108 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* b
     }
   }
   for (int64_t i = 0; i < s.heads * len; ++i) scores[i] *= scale;
+}
+
+constexpr int64_t V_CHUNKS = 4;  // result tiles of 16 dims: heads up to 64 values
+
+// Mode 4 also lays V out in pairs of positions within each block, [kv_heads, block_size / 2,
+// dim, 2]: a row of 16 dims of one pair of positions is the layout a tile's B operand takes.
+bool v_tiles_fit(const Shape& s) {
+  return amx_fits(s) && s.dim <= V_CHUNKS * 16 && s.heads <= 16;
+}
+
+// Where V's value (position o of a block, KV head h, dim d) sits within the block in mode 4.
+inline int64_t v_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
+  return ((h * s.block_size + o - o % 2) * s.dim + 2 * d) + o % 2;
+}
+
+// Tiles 0-3: C, every query head's weighted sum at 16 dims (a row each); 4: A, every query
+// head's weights at 16 positions, zero but in one KV head's group's rows; 5-6: B, V in pairs (8
+// pairs of positions, 16 dims).
+void configure_v_tiles(int64_t heads) {
+  TileConfig c;
+  for (int t = 0; t < V_CHUNKS; ++t) {
+    c.rows[t] = uint8_t(heads);
+    c.colsb[t] = 64;
+  }
+  c.rows[4] = uint8_t(heads);
+  c.colsb[4] = 32;
+  c.rows[5] = c.rows[6] = 8;
+  c.colsb[5] = c.colsb[6] = 64;
+  load_config(c);
+}
+
+// Pass 2 on AMX tiles over V in pairs: per 16 positions and KV head, the weights (`p`, [heads,
+// len] floats, rounded to bf16 as HF's bf16 attention rounds them) times the positions' V, into
+// every head's sums at once; a KV head's A rows are zero outside its group, so its product adds
+// only to its own heads' rows. Rows past `len` in the last block are read from a zeroed copy
+// (the weights there are 0, and the cache may hold anything). Asks for rows ahead as pass 2 of
+// the other modes does. Leaves the sums in acc [heads, dim] and the scores' tiles configured.
+void v_amx(const at::BFloat16* vc, const at::BFloat16* kc, const int64_t* blocks,
+           const int64_t* offs, int64_t len, const float* p, float* acc, const Shape& s,
+           at::BFloat16* weights, at::BFloat16* tail, int64_t ahead, int64_t hint,
+           const int64_t* next_blocks, int64_t next_len) {
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim, chunks = s.dim / 16;
+  configure_v_tiles(s.heads);
+  _tile_zero(0);  // tile ids are constants: one statement a tile
+  if (chunks > 1) _tile_zero(1);
+  if (chunks > 2) _tile_zero(2);
+  if (chunks > 3) _tile_zero(3);
+  for (int64_t t = 0; t < len; t += PAIR_POS) {
+    const int64_t n = std::min(PAIR_POS, len - t);
+    for (int64_t at = t; at < t + n; ++at) {  // V's rows, then the next sequence's first K rows
+      if (ahead > 0 && at + ahead < len) {
+        prefetch(vc, offs[at + ahead], row, hint);
+      } else if (ahead > 0 && at + ahead - len < next_len) {
+        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, hint);
+      }
+    }
+    for (int64_t r = 0; r < s.heads; ++r) {  // weights[h][r][i]: head r's, in its KV head's tile
+      at::BFloat16* w = weights + ((r / group) * s.heads + r) * PAIR_POS;
+      const float* src = p + r * len + t;
+      if (n == PAIR_POS) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
+      } else {
+        for (int64_t i = 0; i < PAIR_POS; ++i) w[i] = at::BFloat16(i < n ? src[i] : 0.f);
+      }
+    }
+    const at::BFloat16* base =
+        vc + blocks[t / s.block_size] * s.block_size * row + (t % s.block_size) * s.dim;
+    for (int64_t h = 0; h < s.kv_heads; ++h) {
+      const at::BFloat16* v = base + h * s.block_size * s.dim;
+      if (n < PAIR_POS) {  // positions past len: zeros, not whatever the block holds
+        for (int64_t q = 0; q < PAIR_POS / 2; ++q) {  // a pair's row: 16 dims a vector
+          // both positions, the first alone (even lanes), or neither
+          const __mmask32 keep = 2 * q + 1 < n ? ~__mmask32(0) : 2 * q < n ? 0x55555555u : 0u;
+          for (int64_t d = 0; d < 2 * s.dim; d += 32)
+            _mm512_storeu_si512(tail + q * 2 * s.dim + d,
+                                _mm512_maskz_loadu_epi16(keep, v + q * 2 * s.dim + d));
+        }
+        v = tail;
+      }
+      _tile_loadd(4, weights + h * s.heads * PAIR_POS, PAIR_POS * 2);
+      _tile_loadd(5, v, s.dim * 4);
+      _tile_dpbf16ps(0, 4, 5);
+      if (chunks > 1) {
+        _tile_loadd(6, v + 32, s.dim * 4);
+        _tile_dpbf16ps(1, 4, 6);
+      }
+      if (chunks > 2) {
+        _tile_loadd(5, v + 64, s.dim * 4);
+        _tile_dpbf16ps(2, 4, 5);
+      }
+      if (chunks > 3) {
+        _tile_loadd(6, v + 96, s.dim * 4);
+        _tile_dpbf16ps(3, 4, 6);
+      }
+    }
+  }
+  _tile_stored(0, acc, s.dim * 4);
+  if (chunks > 1) _tile_stored(1, acc + 16, s.dim * 4);
+  if (chunks > 2) _tile_stored(2, acc + 32, s.dim * 4);
+  if (chunks > 3) _tile_stored(3, acc + 48, s.dim * 4);
+  configure_scores(group);
 }
 #endif
 
@@ -271,7 +379,8 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       offs[pos] = (blocks[b] * s.block_size + o) * row;
   // Pass 1: each head's score per position, on AMX tiles (mode 2), or as one lane sum (mode 0),
   // or kept as part[r, i], head r's products with position t + i, and summed a tile at a time.
-  const bool amx = mode == 2;  // run() passes 2 only for bf16 caches in pairs the tiles fit
+  const bool amx = mode == 2 || mode == 4;  // run() passes these only for bf16 caches in pairs
+  // the tiles fit
 #if defined(PREFIXSERVE_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (amx) scores_amx(kc, vc, blocks, offs, len, q, scale, scores, s, ahead, hint);
@@ -353,8 +462,16 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   }
   // Pass 2: v_rows rows at a time into each head's accumulators; past the end, the last row
   // again, weighed 0.
+  // (Mode 4: on AMX tiles, over V in pairs of positions.)
   std::fill(acc, acc + s.heads * chunks * L, 0.f);
-  for (int64_t pos = 0; pos < len; pos += v_rows) {
+#if defined(PREFIXSERVE_AMX)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (mode == 4)
+      v_amx(vc, kc, blocks, offs, len, scores, acc, s, w.weights.data(), w.tail.data(), ahead,
+            hint, next_blocks, next_len);
+  }
+#endif
+  for (int64_t pos = 0; mode != 4 && pos < len; pos += v_rows) {
     const T* v[v_rows];
     for (int64_t u = 0; u < v_rows; ++u) {
       const int64_t at = pos + u;
@@ -516,8 +633,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // elsewhere.
 #if defined(PREFIXSERVE_AMX)
   if (mode == 2 && !amx_fits(s)) mode = 3;  // K is in pairs either way
+  TORCH_CHECK(mode != 4 || (std::is_same_v<T, at::BFloat16> && v_tiles_fit(s)),
+              "paged_decode: V in pairs needs bf16, heads in 32s of up to 64 values, up to 16 "
+              "query heads and blocks in 16s");
 #endif
-  TORCH_CHECK((mode != 2 && mode != 3) || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
+  const bool k_paired = mode == 2 || mode == 3 || mode == 4, v_paired = mode == 4;
+  TORCH_CHECK(!k_paired || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
               "paged_decode: K in pairs needs bf16, a head size in 4s and blocks in 16s");
   // One task per thread's share (`shares`). Where no sequence is cut, a task stores each of its
   // sequences' new K/V row (the last position of its table, a block no other sequence holds)
@@ -528,15 +649,23 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   auto store = [&](int64_t i) {
     if (knp == nullptr) return;
     const int64_t slot = row_at(tables + i * s.table_width, lens[i] - 1, s, row);
-    if (mode == 2 || mode == 3) {
-      const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
+    const int64_t o = (lens[i] - 1) % s.block_size, base = slot - o * row;
+    if (k_paired) {
       for (int64_t h = 0; h < s.kv_heads; ++h)
         for (int64_t d = 0; d < s.dim; ++d)
           kp[base + k_pair_at(o, h, d, s)] = knp[i * k_step + h * s.dim + d];
     } else {
       std::copy(knp + i * k_step, knp + i * k_step + row, kp + slot);
     }
-    std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
+    if (v_paired) {
+#if defined(PREFIXSERVE_AMX)
+      for (int64_t h = 0; h < s.kv_heads; ++h)
+        for (int64_t d = 0; d < s.dim; ++d)
+          vp[base + v_pair_at(o, h, d, s)] = vnp[i * v_step + h * s.dim + d];
+#endif
+    } else {
+      std::copy(vnp + i * v_step, vnp + i * v_step + row, vp + slot);
+    }
   };
   for (int64_t i = 0; !whole && i < n; ++i) store(i);
   const int64_t part_size = s.heads * (s.dim + 2);
@@ -547,9 +676,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   at::parallel_for(0, int64_t(starts.size()) - 1, 1, [&](int64_t first, int64_t after) {
     const int64_t begin = starts[first], end = starts[after];
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
-              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L)};
+              std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
+              std::vector<at::BFloat16>(v_paired ? s.kv_heads * s.heads * PAIR_POS : 0),
+              std::vector<at::BFloat16>(v_paired ? PAIR_POS * s.dim : 0)};
 #if defined(PREFIXSERVE_AMX)
-    if (mode == 2) configure_scores(s.heads / s.kv_heads);
+    if (mode == 2 || mode == 4) configure_scores(s.heads / s.kv_heads);
 #endif
     for (int64_t t = begin; t < end; ++t) {
       const Part& p = parts[t];
@@ -561,7 +692,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
                     whole ? nullptr : partial.data() + t * part_size);
     }
 #if defined(PREFIXSERVE_AMX)
-    if (mode == 2) _tile_release();
+    if (mode == 2 || mode == 4) _tile_release();
 #endif
   });
   for (size_t t = 0, u = 0; !whole && t < parts.size(); t = u) {
@@ -582,8 +713,9 @@ bool amx_tiles();  // tile_linear.cpp
 // `hint` (3: prefetcht0, 2: prefetcht1, 0: prefetchnta); `scores`: summed per position (0), a
 // tile of positions at a time (1), from K laid out in pairs on AMX tiles (2; as 3, pair
 // products where the tiles do not fit the shape) or with pair products (3; bf16, head size in
-// 4s, blocks in 16s: k_cache holds it so, and k_new is stored so); `v_rows`: V rows added per pass over the accumulators
-// (1 or 4).
+// 4s, blocks in 16s: k_cache holds it so, and k_new is stored so), or both passes on AMX tiles
+// with K and V in pairs (4; v_cache and v_new likewise); `v_rows`: V rows added per pass over
+// the accumulators (1 or 4; not with 4).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
@@ -605,8 +737,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   TORCH_CHECK(hint == 0 || hint == 2 || hint == 3, "paged_decode: hint must be 0, 2 or 3, not ",
               hint);
   TORCH_CHECK(v_rows == 1 || v_rows == 4, "paged_decode: v_rows must be 1 or 4, not ", v_rows);
-  TORCH_CHECK(scores >= 0 && scores <= 3, "paged_decode: scores must be 0 to 3, not ", scores);
-  TORCH_CHECK(scores != 2 || amx_tiles(), "paged_decode: this build or CPU has no AMX-BF16 tiles");
+  TORCH_CHECK(scores >= 0 && scores <= 4, "paged_decode: scores must be 0 to 4, not ", scores);
+  TORCH_CHECK((scores != 2 && scores != 4) || amx_tiles(),
+              "paged_decode: this build or CPU has no AMX-BF16 tiles");
   TORCH_CHECK(scores != 3 || BF16_PAIRS, "paged_decode: K in pairs needs AVX512-BF16");
   if (k_new) {
     TORCH_CHECK(k_new->scalar_type() == q.scalar_type() && v_new->scalar_type() == q.scalar_type() &&
