@@ -195,7 +195,8 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* b
         _tile_stored(0, out, len * 4);
       } else {
         _tile_stored(0, tail, PAIR_POS * 4);
-        for (int64_t j = 0; j < group; ++j) std::copy(tail + j * PAIR_POS, tail + j * PAIR_POS + n, out + j * len);
+        for (int64_t j = 0; j < group; ++j)
+          std::copy(tail + j * PAIR_POS, tail + j * PAIR_POS + n, out + j * len);
       }
     }
   }
@@ -715,7 +716,7 @@ bool amx_tiles();  // tile_linear.cpp
 // products where the tiles do not fit the shape) or with pair products (3; bf16, head size in
 // 4s, blocks in 16s: k_cache holds it so, and k_new is stored so), or both passes on AMX tiles
 // with K and V in pairs (4; v_cache and v_new likewise); `v_rows`: V rows added per pass over
-// the accumulators (1 or 4; not with 4).
+// the accumulators (1 or 4; 4's weighted sum is on tiles and takes none).
 // Returns [n, heads, dim] in q's dtype, contiguous.
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& context_lens,
