@@ -98,6 +98,19 @@ inline void ask_ahead_of_k(const T* kc, const T* vc, const int64_t* offs, int64_
   }
 }
 
+// Pass 2's row `ahead` positions past `pos`: V's, then, past V's end, the first ones of the next
+// sequence's K (its table `next_blocks`, its length `next_len`). Past `len` itself, none.
+template <typename T>
+inline void ask_ahead_of_v(const T* kc, const T* vc, const int64_t* offs, int64_t pos,
+                           int64_t len, int64_t ahead, int64_t row, int64_t hint,
+                           const int64_t* next_blocks, int64_t next_len, const Shape& s) {
+  if (ahead > 0 && pos + ahead < len) {
+    prefetch(vc, offs[pos + ahead], row, hint);
+  } else if (ahead > 0 && pos < len && pos + ahead - len < next_len) {
+    prefetch(kc, row_at(next_blocks, pos + ahead - len, s, row), row, hint);
+  }
+}
+
 // The lane sums of L vectors as one vector, out[i] = sum(v[i]): pairwise shuffles and adds.
 inline Vec sums(const Vec* v) {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -250,13 +263,8 @@ void v_amx(const at::BFloat16* vc, const at::BFloat16* kc, const int64_t* blocks
   if (chunks > 3) _tile_zero(3);
   for (int64_t t = 0; t < len; t += PAIR_POS) {
     const int64_t n = std::min(PAIR_POS, len - t);
-    for (int64_t at = t; at < t + n; ++at) {  // V's rows, then the next sequence's first K rows
-      if (ahead > 0 && at + ahead < len) {
-        prefetch(vc, offs[at + ahead], row, hint);
-      } else if (ahead > 0 && at + ahead - len < next_len) {
-        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, hint);
-      }
-    }
+    for (int64_t pos = t; pos < t + n; ++pos)
+      ask_ahead_of_v(kc, vc, offs, pos, len, ahead, row, hint, next_blocks, next_len, s);
     for (int64_t r = 0; r < s.heads; ++r) {  // weights[h][r][i]: head r's, in its KV head's tile
       at::BFloat16* w = weights + ((r / group) * s.heads + r) * PAIR_POS;
       const float* src = p + r * len + t;
@@ -380,8 +388,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       offs[pos] = (blocks[b] * s.block_size + o) * row;
   // Pass 1: each head's score per position, on AMX tiles (mode 2), or as one lane sum (mode 0),
   // or kept as part[r, i], head r's products with position t + i, and summed a tile at a time.
-  const bool amx = mode == 2 || mode == 4;  // run() passes these only for bf16 caches in pairs
-  // the tiles fit
+  const bool amx = mode == 2 || mode == 4;  // only for bf16 K in pairs the tiles fit: run()
 #if defined(PREFIXSERVE_AMX)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (amx) scores_amx(kc, vc, blocks, offs, len, q, scale, scores, s, ahead, hint);
@@ -477,11 +484,7 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
     for (int64_t u = 0; u < v_rows; ++u) {
       const int64_t at = pos + u;
       v[u] = vc + offs[std::min(at, len - 1)];
-      if (ahead > 0 && at + ahead < len) {  // V's rows, then the next sequence's first K rows
-        prefetch(vc, offs[at + ahead], row, hint);
-      } else if (ahead > 0 && at < len && at + ahead - len < next_len) {
-        prefetch(kc, row_at(next_blocks, at + ahead - len, s, row), row, hint);
-      }
+      ask_ahead_of_v(kc, vc, offs, at, len, ahead, row, hint, next_blocks, next_len, s);
     }
     for (int64_t h = 0; h < s.kv_heads; ++h) {
       Vec x[v_rows][chunks];
