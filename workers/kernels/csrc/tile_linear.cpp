@@ -4,8 +4,8 @@
 // each), and a tile row (16 outputs' weights for one pair of inputs) is 64 bytes: one AVX-512
 // vector. Two engines read it:
 // - AMX (Intel Xeon): the tile unit multiplies each step by 16 or 32 rows of x at once, the weights
-//   asked for 8 KiB ahead. That streamed weights faster at 1 to 32 rows than the small-row kernel
-//   and oneDNN's packed product.
+//   asked for 8 KiB ahead, the last group's sums stored into y a few rows a step. That streamed
+//   weights faster at 1 to 32 rows than the small-row kernel and oneDNN's packed product.
 // - Pairs (AVX512-BF16 without AMX, e.g. AMD EPYC Zen 4/5): the CPU's bf16 pair product multiplies
 //   each tile row by a pair of inputs broadcast from up to 12 rows of x, the group's 24 sums in
 //   registers, the group's weights read again from cache for each 12 rows; the next group's
@@ -48,9 +48,33 @@ void configure() {
   load_config(c);
 }
 
-// One group's outputs for the 16 or 32 rows at x (row stride `xs` bf16), `steps` steps.
+// A unit's sums (one group's outputs for up to 32 rows, in the tiles' four 16 x 16 blocks) on
+// their way into y, a few rows a step of the next unit's pass: converting them all at once after
+// the tiles are stored stalled the stream (15% of a 32-row product), spread over the next pass
+// they hide under its weights' reads.
+struct Pending {
+  float (*c)[16][16] = nullptr;
+  const at::BFloat16* bias = nullptr;  // at the group's first output, or null
+  at::BFloat16* y = nullptr;  // the unit's first row at its group's first output
+  int64_t ys = 0, rows = 0, cols = 0, done = 0;  // y's row stride; rows stored so far
+};
+
+void store_group(const float* lo, const float* hi, const at::BFloat16* bias, int64_t cols,
+                 at::BFloat16* y);
+
+// Stores `p`'s rows up to `upto`.
+void finish(Pending& p, int64_t upto) {
+  for (; p.done < std::min(upto, p.rows); ++p.done) {
+    const int64_t h = p.done / 16, r = p.done % 16;
+    store_group(p.c[h * 2][r], p.c[h * 2 + 1][r], p.bias, p.cols, p.y + p.done * p.ys);
+  }
+}
+
+// One group's outputs for the 16 or 32 rows at x (row stride `xs` bf16), `steps` steps, into
+// `c`, finishing `p` (a buffer other than `c`) along the way: a share of its rows each step.
 void group(const at::BFloat16* x, int64_t xs, bool two, const char* w, int64_t steps,
-           bool ahead, float (*c)[16][16]) {
+           bool ahead, float (*c)[16][16], Pending& p) {
+  const int64_t per_step = (p.rows - p.done + steps - 1) / steps;
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -59,6 +83,7 @@ void group(const at::BFloat16* x, int64_t xs, bool two, const char* w, int64_t s
     const char* ws = w + s * STEP_BYTES;
     if (ahead)
       for (int64_t b = 0; b < STEP_BYTES; b += 64) _mm_prefetch(ws + AHEAD + b, _MM_HINT_T0);
+    finish(p, p.done + per_step);
     _tile_loadd(6, ws, 64);
     _tile_loadd(7, ws + STEP_BYTES / 2, 64);
     _tile_loadd(4, x + s * STEP, xs * 2);
@@ -142,17 +167,19 @@ const at::BFloat16* readable(const at::Tensor& x, int64_t rows, int64_t width, i
   return padded.data();
 }
 
-// One row's `cols` (<= 32) outputs from their float sums, plus the bias (or null) at them, each
-// rounded once to bf16.
-void store_group(const float* sums, const at::BFloat16* bias, int64_t cols, at::BFloat16* y) {
+// One row's `cols` (<= 32) outputs from their float sums (outputs 0-15 at `lo`, 16-31 at `hi`),
+// plus the bias (or null) at them, each rounded once to bf16.
+void store_group(const float* lo, const float* hi, const at::BFloat16* bias, int64_t cols,
+                 at::BFloat16* y) {
   if (bias == nullptr && cols == GROUP) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums)));
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(lo)));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + 16),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums + 16)));
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(hi)));
     return;
   }
-  for (int64_t j = 0; j < cols; ++j) y[j] = at::BFloat16(sums[j] + (bias ? float(bias[j]) : 0.f));
+  for (int64_t j = 0; j < cols; ++j)
+    y[j] = at::BFloat16((j < 16 ? lo[j] : hi[j - 16]) + (bias ? float(bias[j]) : 0.f));
 }
 
 #if defined(PREFIXSERVE_AMX)
@@ -165,21 +192,19 @@ void amx_product(const at::Tensor& x, const char* wp, const at::BFloat16* bp, at
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   at::parallel_for(0, groups, GRAIN, [&](int64_t begin, int64_t end) {
     configure();
-    alignas(64) float c[4][16][16];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t n0 = g * GROUP, cols = std::min(GROUP, N - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 32) {  // the group's weights stay in cache
-        const bool two = m0 + 16 < rows;
-        group(xp + m0 * xs, xs, two, wp + g * steps * STEP_BYTES, steps, m0 == 0, c);
-        for (int64_t m = m0; m < std::min(M, m0 + 32); ++m) {
-          const int64_t h = (m - m0) / 16, r = (m - m0) % 16;
-          float out[GROUP];
-          std::memcpy(out, c[h * 2][r], 64);
-          std::memcpy(out + 16, c[h * 2 + 1][r], 64);
-          store_group(out, bp ? bp + n0 : nullptr, cols, yp + m * N + n0);
-        }
+    alignas(64) float c[2][4][16][16];  // this unit's sums and the last one's, being stored
+    Pending p;
+    for (int64_t g = begin, unit = 0; g < end; ++g) {
+      const int64_t n0 = g * GROUP;
+      for (int64_t m0 = 0; m0 < rows; m0 += 32, ++unit) {  // the group's weights stay in cache
+        float (*sums)[16][16] = c[unit % 2];
+        group(xp + m0 * xs, xs, m0 + 16 < rows, wp + g * steps * STEP_BYTES, steps, m0 == 0,
+              sums, p);
+        p = {sums, bp ? bp + n0 : nullptr, yp + m0 * N + n0, N, std::min<int64_t>(32, M - m0),
+             std::min(GROUP, N - n0), 0};
       }
     }
+    finish(p, p.rows);
     _tile_release();
   });
 }
@@ -205,7 +230,8 @@ void pairs_product(const at::Tensor& x, const char* wp, const at::BFloat16* bp, 
                    wp + g * steps * STEP_BYTES, steps, c, next, pass * steps * per_step,
                    per_step);
         for (int64_t m = m0; m < m0 + rows; ++m)
-          store_group(c + (m - m0) * GROUP, bp ? bp + n0 : nullptr, cols, yp + m * N + n0);
+          store_group(c + (m - m0) * GROUP, c + (m - m0) * GROUP + 16, bp ? bp + n0 : nullptr,
+                      cols, yp + m * N + n0);
       }
     }
   });
