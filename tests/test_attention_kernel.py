@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -116,6 +117,25 @@ def test_a_step_is_shared_among_threads_in_parts(threads, ctx_lens, dtype, tol, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("reads", READS, ids=str)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scores_past_a_floats_exp_are_taken_from_their_largest(threads, dtype, tol,
+                                                                reads) -> None:
+    """Scores in the hundreds, whose exp overflows a float: each head's largest is taken out
+    before exp, in one pass and in parts merged after; so is a lone one far above the rest,
+    wherever it falls among the vectors the largest is found in."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert_matches_referee(KERNEL, [BS + 1, 1000], 9, 3, 64, dtype, tol, reads, q_times=60)
+        assert_matches_referee(KERNEL, [1000, 1000, 1000, 100], 9, 3, 64, dtype, tol, reads,
+                               spikes=(40, 970, 998, 7))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 @pytest.mark.parametrize("ctx_lens", [[1000], [40, 1000, 40]])
 def test_a_cut_sequence_sums_in_another_order(ctx_lens) -> None:
     """The parts ran: on two threads a 1,000-position row, alone or among short ones, is not bit
@@ -136,10 +156,15 @@ def test_a_cut_sequence_sums_in_another_order(ctx_lens) -> None:
 
 
 def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
-                           reads: KVReads | None = None) -> None:
+                           reads: KVReads | None = None, q_times: float = 1.0,
+                           spikes: tuple[int, ...] = ()) -> None:
     """A decode step through the backend on `kernel` (reading K/V as `reads` says, else as
-    measured), each row against the float64 referee."""
+    measured), q multiplied by `q_times`, each row against the float64 referee. Row i's first
+    head scores far above the rest (hundreds) at position spikes[i], if given."""
     q, k, v, k_cache, v_cache, meta, tables = decode_step(ctx_lens, heads, kvh, dim, dtype)
+    q = q * q_times
+    for i, pos in enumerate(spikes):
+        k_cache[tables[i][pos // BS], pos % BS, 0] = 50 * q[i, 0]
     scale = 1 / math.sqrt(dim)
     backend = CPUPagedBackend(kernel)
     if reads is not None:
@@ -227,6 +252,20 @@ def test_a_head_too_large_for_the_kernel_is_served_by_sdpa() -> None:
     got = CPUPagedBackend(KERNEL).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.1)
     want = TorchSDPABackend().forward(q, k, v, k_cache, v_cache, meta, 0.1)
     assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_rows_asked_for_ahead_are_in_the_built_kernel() -> None:
+    """GCC once dropped every prefetch of the K/V rows (it counted a helper of prefetch builtins
+    alone as free of effects), and the measured choice weighed asking ahead against itself: the
+    built kernel holds the hint that only paged decode gives (the tile weights ask with t0 and
+    t1)."""
+    objdump = shutil.which("objdump")
+    if objdump is None or "86" not in os.uname().machine:
+        pytest.skip("needs objdump and an x86 build")
+    code = subprocess.run([objdump, "-d", KERNEL.__file__], capture_output=True, text=True,
+                          check=True).stdout
+    assert "prefetchnta" in code
 
 
 @needs_kernel

@@ -44,6 +44,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -72,20 +73,28 @@ inline int64_t row_at(const int64_t* blocks, int64_t pos, const Shape& s, int64_
 
 // Asks for the row of `row` values at `cache + at` to be brought in with `hint`, the prefetch's
 // locality: 3 (prefetcht0: into every cache level), 2 (prefetcht1: into L2 and beyond) or 0
-// (prefetchnta: as data read once).
+// (prefetchnta: as data read once). On x86, volatile asm rather than __builtin_prefetch: GCC 12
+// (-O1 and up) counts a function of prefetch builtins alone as free of effects and drops every
+// call to it.
+#if defined(__x86_64__)
+#define PREFETCH(insn, at) asm volatile(insn " %0" : : "m"(*(at)))
+#else
+#define PREFETCH(insn, at) __builtin_prefetch(at, 0, 3)
+#endif
 template <typename T>
 inline void prefetch(const T* cache, int64_t at, int64_t row, int64_t hint) {
   const char* p = reinterpret_cast<const char*>(cache + at);
   for (int64_t b = 0; b < row * int64_t(sizeof(T)); b += 64) {
     if (hint == 0) {
-      __builtin_prefetch(p + b, 0, 0);
+      PREFETCH("prefetchnta", p + b);
     } else if (hint == 2) {
-      __builtin_prefetch(p + b, 0, 2);
+      PREFETCH("prefetcht1", p + b);
     } else {
-      __builtin_prefetch(p + b, 0, 3);
+      PREFETCH("prefetcht0", p + b);
     }
   }
 }
+#undef PREFETCH
 
 // Pass 1's row `ahead` positions past `pos`: K's, then, past K's end, V's first ones.
 template <typename T>
@@ -182,8 +191,8 @@ bool amx_fits(const Shape& s) {
 
 // Pass 1 on AMX tiles over K in pairs: each block's positions 16 at a time, each KV head's query
 // heads at once, 32 values a step, read in place; each C row (one head's 16 scores) is stored
-// straight into `scores`, scaled after. Past `len`, the block's other positions are scored too
-// and not kept.
+// straight into `scores`, unscaled (the softmax scales them). Past `len`, the block's other
+// positions are scored too and not kept.
 void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* blocks,
                 const int64_t* offs, int64_t len, const at::BFloat16* q, float scale,
                 float* scores, const Shape& s, int64_t ahead, int64_t hint) {
@@ -213,7 +222,6 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* b
       }
     }
   }
-  for (int64_t i = 0; i < s.heads * len; ++i) scores[i] *= scale;
 }
 
 constexpr int64_t V_CHUNKS = 4;  // result tiles of 16 dims: heads up to 64 values
@@ -369,6 +377,36 @@ void scores_pairs(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t*
 }
 #endif
 
+// One head's `len` scores at p (times `scale`) into exp(score - top) in place, with `top` the
+// largest scaled score and `total` the terms' sum. In vectors, four maxima and two totals at a
+// time: the compiler's loops (one chain of max, half-width libmvec exp) took a third of a
+// sequence's time in cache.
+void softmax_terms(float* p, int64_t len, float scale, float& top, float& total) {
+  const Vec low(-std::numeric_limits<float>::infinity());
+  Vec m[4] = {low, low, low, low};
+  int64_t i = 0;
+  for (; i + 4 * L <= len; i += 4 * L)
+    for (int64_t u = 0; u < 4; ++u) m[u] = at::vec::maximum(m[u], Vec::loadu(p + i + u * L));
+  for (; i + L <= len; i += L) m[0] = at::vec::maximum(m[0], Vec::loadu(p + i));
+  const Vec most = at::vec::maximum(at::vec::maximum(m[0], m[1]), at::vec::maximum(m[2], m[3]));
+  float raw = largest(most);
+  for (; i < len; ++i) raw = std::max(raw, p[i]);
+  top = raw * scale;
+  const Vec shift(raw), k(scale);
+  Vec sums[2] = {Vec(0.f), Vec(0.f)};
+  i = 0;
+  for (int64_t u = 0; i + L <= len; i += L, u ^= 1) {
+    const Vec e = ((Vec::loadu(p + i) - shift) * k).exp_u20();
+    e.store(p + i);
+    sums[u] = sums[u] + e;
+  }
+  total = sum(sums[0] + sums[1]);
+  for (; i < len; ++i) {
+    p[i] = std::exp((p[i] - raw) * scale);
+    total += p[i];
+  }
+}
+
 // One sequence: q [heads, dim] -> out [heads, dim]. The next sequence's table and length (or
 // null and 0) say whose rows to ask for once this one's have all been. With `unscaled` (for a
 // part of a sequence, its table from the part's first block), the sums are not divided by the
@@ -454,19 +492,17 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
   }
   for (int64_t r = 0; r < s.heads; ++r) {
     float* p = scores + r * len;
-    const float top = *std::max_element(p, p + len);
-    float total = 0.f;
-    for (int64_t i = 0; i < len; ++i) {  // vectorised by the compiler (-ffast-math: libmvec)
-      p[i] = std::exp(p[i] - top);
-      total += p[i];
-    }
+    float top, total;
+    softmax_terms(p, len, amx ? scale : 1.f, top, total);
     if (unscaled != nullptr) {
       unscaled[r * (s.dim + 2) + s.dim] = top;
       unscaled[r * (s.dim + 2) + s.dim + 1] = total;
       continue;
     }
-    const float inv = 1.f / total;
-    for (int64_t i = 0; i < len; ++i) p[i] *= inv;
+    const Vec inv(1.f / total);
+    int64_t i = 0;
+    for (; i + L <= len; i += L) (Vec::loadu(p + i) * inv).store(p + i);
+    for (; i < len; ++i) p[i] /= total;
   }
   // Pass 2: v_rows rows at a time into each head's accumulators; past the end, the last row
   // again, weighed 0.

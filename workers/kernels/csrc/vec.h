@@ -1,7 +1,7 @@
 // What prefixserve's vectorised CPU kernels share: ATen's Vectorized<float> at the width the
 // compiler targets (-march=native: AVX-512, AVX2, or ATen's portable vectors), a load of any
-// dtype widened to float, and a vector's lane sum. Included by one translation unit each, so its
-// definitions sit in an unnamed namespace like the kernels' own.
+// dtype widened to float, and a vector's lane sum and largest lane. Included by one translation
+// unit each, so its definitions sit in an unnamed namespace like the kernels' own.
 #pragma once
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -48,6 +48,15 @@ inline float sum(const Vec& v) {
   return v.reduce_add();
 #else
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+#endif
+}
+
+// The vector's largest lane (DEFAULT's reduce_max does not compile either).
+inline float largest(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  return v.reduce_max();
+#else
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
 #endif
 }
 
