@@ -91,7 +91,8 @@ READS = [KVReads(0, "t0", scores, v_rows) for scores in SCORES for v_rows in kv_
 @pytest.mark.parametrize("reads", READS, ids=str)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kvh,dim", [(8, 2, 32), (9, 3, 64), (4, 4, 24), (12, 3, 16),
-                                           (4, 1, 128), (2, 2, 72)])
+                                           (4, 1, 128), (2, 2, 72), (32, 8, 64), (20, 4, 96),
+                                           (24, 3, 128)])
 def test_decode_rows_match_the_referee(dtype, tol, heads, kvh, dim, reads) -> None:
     """Every head layout, each way of summing scores and adding up V, contexts around block
     and tile ends."""
@@ -169,11 +170,11 @@ def assert_matches_referee(kernel, ctx_lens, heads, kvh, dim, dtype, tol,
     backend = CPUPagedBackend(kernel)
     if reads is not None:
         backend.reads[dtype] = reads
-    layout = backend.kv_layout(dtype, BS, dim, heads)
+    layout = backend.kv_layout(dtype, BS, dim, heads, kvh)
     scores = backend.reads[dtype].scores
     assert (layout != "rows") == (dtype == torch.bfloat16 and scores in kv_reads.PAIRED)
     assert (layout == "kv_pairs") == (layout != "rows" and scores == "amx" and dim % 32 == 0
-                                      and dim <= 64 and heads <= 16)
+                                      and heads // kvh <= 16)
     stored = in_layout(k_cache, v_cache, layout)
     out = backend.forward(q, k, v, *stored, meta, scale)
     k_cache, v_cache = out_of_layout(*stored, layout)  # with the new rows
@@ -205,7 +206,7 @@ def test_a_decode_step_stores_its_kv_where_the_slot_mapping_says(dtype) -> None:
     step = ([1, BS, BS + 1, 37, 64], 9, 3, 64, dtype)
     q, k, v, got_k, got_v, meta, _ = decode_step(*step)
     backend = CPUPagedBackend(KERNEL)
-    layout = backend.kv_layout(dtype, BS, 64, 9)  # as measured here
+    layout = backend.kv_layout(dtype, BS, 64, 9, 3)  # as measured here
     stored = in_layout(got_k, got_v, layout)
     got = backend.forward(q, k, v, *stored, meta, 0.125)
     got_k, got_v = out_of_layout(*stored, layout)

@@ -72,9 +72,10 @@ def test_v_in_pairs_of_positions_stores_and_gathers_as_the_position_major_cache(
     for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
         blocks = torch.tensor(blocks)
         assert torch.equal(v_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
-    assert v_pairs.fits(16, 64, 9) and v_pairs.fits(32, 32, 16)
-    assert not any([v_pairs.fits(8, 64, 9), v_pairs.fits(16, 128, 9), v_pairs.fits(16, 48, 9),
-                    v_pairs.fits(16, 64, 17)])
+    # (block size, head size, query heads a KV head)
+    assert all([v_pairs.fits(16, 64, 3), v_pairs.fits(32, 32, 16), v_pairs.fits(16, 128, 4),
+                v_pairs.fits(16, 96, 5)])
+    assert not any([v_pairs.fits(8, 64, 3), v_pairs.fits(16, 48, 3), v_pairs.fits(16, 64, 17)])
 
 
 @pytest.mark.parametrize("layout", layouts.LAYOUTS)
@@ -109,9 +110,11 @@ def test_a_mixed_step_over_pairs_prefills_as_sdpa_does(scores: str, layout: str)
     k, v = (torch.randn(t, kvh, dim, generator=g).to(BF16) for _ in range(2))
     backend = CPUPagedBackend(KERNEL)
     backend.reads[BF16] = KVReads(32, "t1", scores, 4)
-    assert backend.kv_layout(BF16, bs, dim, heads) == layout
-    assert backend.kv_layout(BF16, 8, dim, heads) == "rows"  # blocks shorter than a vector
-    assert backend.kv_layout(BF16, bs, 16, heads) == "k_pairs"  # too short a head for V's tiles
+    assert backend.kv_layout(BF16, bs, dim, heads, kvh) == layout
+    assert backend.kv_layout(BF16, 8, dim, heads, kvh) == "rows"  # blocks shorter than a vector
+    # too short a head for the tiles, too many query heads a KV head for a tile's rows
+    assert backend.kv_layout(BF16, bs, 16, heads, kvh) == "k_pairs"
+    assert backend.kv_layout(BF16, bs, dim, 17, 1) == "k_pairs"
     stored = in_layout(k_cache, v_cache, layout)
     meta = AttentionMetadata.build(q_lens, ctx_lens, tables, bs)
     got = backend.forward(q, k, v, *stored, meta, 0.2)
@@ -137,7 +140,7 @@ def test_k_in_pairs_takes_lane_sums_where_the_shape_does_not_fit() -> None:
     k, v = (torch.randn(2, kvh, dim, generator=g).to(BF16) for _ in range(2))
     backend = CPUPagedBackend(KERNEL)
     backend.reads[BF16] = KVReads(0, "t0", "pairs", 1)
-    assert backend.kv_layout(BF16, bs, dim, heads) == "rows"
+    assert backend.kv_layout(BF16, bs, dim, heads, kvh) == "rows"
 
     def run(b):
         meta = AttentionMetadata.build([1, 1], [5, 20], [[4], [0, 3, 5]], bs)
@@ -158,7 +161,8 @@ def pinned_engine(path: Path, disk: Path, scores: str, monkeypatch, **kw) -> LLM
 
 def layout(eng: LLMEngine) -> str:
     c = eng.model_config
-    return eng.model.attention.kv_layout(BF16, 16, c.head_dim, c.num_attention_heads)
+    return eng.model.attention.kv_layout(BF16, 16, c.head_dim, c.num_attention_heads,
+                                         c.num_key_value_heads)
 
 
 @needs_pairs

@@ -89,7 +89,7 @@ class LLMEngine(EngineCore):
                               self.max_model_len, num_blocks) if decode_graphs else None
         self.runner = ModelRunner(model, self.kv_cache, self.block_size, graphs)
         order = model.attention.kv_layout(weight.dtype, config.block_size, mc.head_dim,
-                                          mc.num_attention_heads)
+                                          mc.num_attention_heads, mc.num_key_value_heads)
         tiers = build_tiers(config, self.kv, self.kv_cache, model_fingerprint, order)
         if tiers is not None:
             self.attach_tiers(tiers)

@@ -24,7 +24,8 @@ class AttentionBackend(ABC):
         """What the backend measures or builds for the model's dtype, done at start rather than
         in the first step."""
 
-    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int,
+                  kv_heads: int) -> str:
         """How K and V are ordered within a block, one of `attention.layouts.LAYOUTS`: `rows`
         (position-major, as the tensor's shape reads) unless the backend reads them otherwise.
         Whole blocks move the same in any order; a KV file on disk holds them position-major."""

@@ -68,7 +68,8 @@ class CPUPagedBackend(AttentionBackend):
         if dtype not in self.reads:
             self.reads[dtype] = kv_reads(self.kernel, dtype)
 
-    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int) -> str:
+    def kv_layout(self, dtype: torch.dtype, block_size: int, head_dim: int, heads: int,
+                  kv_heads: int) -> str:
         """`k_pairs` where the measured reads take K in pairs and the kernel takes the shape,
         `kv_pairs` where they are AMX tiles and the tiles take V in pairs too."""
         self.prepare(dtype)
@@ -76,7 +77,8 @@ class CPUPagedBackend(AttentionBackend):
         if not (dtype == torch.bfloat16 and scores in PAIRED and k_pairs.fits(block_size, head_dim)
                 and head_dim <= self.kernel.max_head_dim and heads <= self.kernel.max_heads):
             return "rows"
-        return "kv_pairs" if scores == "amx" and v_pairs.fits(block_size, head_dim, heads) \
+        group = heads // kv_heads
+        return "kv_pairs" if scores == "amx" and v_pairs.fits(block_size, head_dim, group) \
             else "k_pairs"
 
     def forward(
@@ -94,7 +96,7 @@ class CPUPagedBackend(AttentionBackend):
             return self.fallback.forward(q, k, v, k_cache, v_cache, meta, scale)
         if meta.backend_state is None:  # the first layer's: the step's plan
             block_size = k_cache.shape[1]
-            layout = self.kv_layout(q.dtype, block_size, dim, heads)
+            layout = self.kv_layout(q.dtype, block_size, dim, heads, k.shape[1])
             meta.backend_state = PagedPlan.make(meta, block_size, q.dtype, layout)
         plan: PagedPlan = meta.backend_state
         k_paired, v_paired = plan.layout != "rows", plan.layout == "kv_pairs"

@@ -14,14 +14,13 @@ from __future__ import annotations
 import torch
 
 PAIR_POSITIONS = 16  # positions per tile: the block size must be a multiple
-MAX_HEAD_DIM = 64  # four result tiles of 16 values
-MAX_HEADS = 16  # query heads: rows of a tile
+MAX_GROUP = 16  # query heads a KV head: a tile's rows hold whole groups
 
 
-def fits(block_size: int, head_dim: int, heads: int) -> bool:
-    """Whether the kernel's tiles take this shape with V in pairs."""
-    return (block_size % PAIR_POSITIONS == 0 and head_dim % 32 == 0
-            and head_dim <= MAX_HEAD_DIM and heads <= MAX_HEADS)
+def fits(block_size: int, head_dim: int, group: int) -> bool:
+    """Whether the kernel's tiles take this shape with V in pairs (`group`: query heads a KV
+    head). The kernel sums a window of whole groups, up to 16 query heads, 64 dims at a time."""
+    return block_size % PAIR_POSITIONS == 0 and head_dim % 32 == 0 and group <= MAX_GROUP
 
 
 def _paired(v_cache: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@
 //   within each block ([kv_heads, block_size / 2, dim, 2]: see v_pair_at; the caller stores it
 //   so), the B operand's layout for the weighted sum: pass 2 multiplies 16 positions' weights of
 //   every query head (A, rounded to bf16) by their V (B), 16 dims a tile, on the tile unit too
-//   (heads of up to 64 values and up to 16 query heads: the caller asks only where they fit).
+//   (windows of up to 16 query heads, passes of up to 64 dims; any shape 2 takes).
 // - Pass 2 adds `v_rows` (1 or 4) rows into each accumulator per load and store of it. Four cut
 //   bf16 attention by a fifth on an AMD EPYC (Zen 5) and slowed fp32 there by a tenth, whose rows
 //   are twice as long: the caller measures which.
@@ -157,7 +157,7 @@ inline Vec sums(const Vec* v) {
 struct Scratch {
   std::vector<int64_t> offs;  // [len]
   std::vector<float> scores, part, acc;  // [heads, len], [heads, L, L], [heads, chunks * L]
-  std::vector<at::BFloat16> weights, tail;  // mode 4: [kv_heads, heads, 16] zeroed, [16 * dim]
+  std::vector<at::BFloat16> weights, tail;  // mode 4: [kv_heads, 16, 16] zeroed, [16 * dim]
 };
 
 // Where K's value (position o of a block, KV head h, dim d) sits within the block when K is laid
@@ -168,6 +168,7 @@ inline int64_t k_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
 }
 
 constexpr int64_t PAIR_POS = 16;  // positions per vector: 16 pairs of bf16
+constexpr int64_t V_ROWS = 16;  // query heads a window of mode 4's weighted sum: a tile's rows
 
 bool pairs_fit(const Shape& s) { return s.dim % 4 == 0 && s.block_size % PAIR_POS == 0; }
 
@@ -224,21 +225,21 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* b
   }
 }
 
-constexpr int64_t V_CHUNKS = 4;  // result tiles of 16 dims: heads up to 64 values
+constexpr int64_t V_CHUNKS = 4;  // result tiles of 16 dims: a pass takes 64 of a head's values
 
 // Mode 4 also lays V out in pairs of positions within each block, [kv_heads, block_size / 2,
 // dim, 2]: a row of 16 dims of one pair of positions is the layout a tile's B operand takes.
-bool v_tiles_fit(const Shape& s) {
-  return amx_fits(s) && s.dim <= V_CHUNKS * 16 && s.heads <= 16;
-}
+// Any shape the scores' tiles take: windows of whole KV groups up to 16 query heads, passes of
+// up to 64 dims.
+bool v_tiles_fit(const Shape& s) { return amx_fits(s); }
 
 // Where V's value (position o of a block, KV head h, dim d) sits within the block in mode 4.
 inline int64_t v_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
   return ((h * s.block_size + o - o % 2) * s.dim + 2 * d) + o % 2;
 }
 
-// Tiles 0-3: C, every query head's weighted sum at 16 dims (a row each); 4: A, every query
-// head's weights at 16 positions, zero but in one KV head's group's rows; 5-6: B, V in pairs (8
+// Tiles 0-3: C, a window's query heads' weighted sums at 16 dims (a row each); 4: A, those
+// heads' weights at 16 positions, zero but in one KV head's group's rows; 5-6: B, V in pairs (8
 // pairs of positions, 16 dims).
 void configure_v_tiles(int64_t heads) {
   TileConfig c;
@@ -253,71 +254,83 @@ void configure_v_tiles(int64_t heads) {
   load_config(c);
 }
 
-// Pass 2 on AMX tiles over V in pairs: per 16 positions and KV head, the weights (`p`, [heads,
-// len] floats, rounded to bf16 as HF's bf16 attention rounds them) times the positions' V, into
-// every head's sums at once; a KV head's A rows are zero outside its group, so its product adds
-// only to its own heads' rows. Rows past `len` in the last block are read from a zeroed copy
-// (the weights there are 0, and the cache may hold anything). Asks for rows ahead as pass 2 of
-// the other modes does. Leaves the sums in acc [heads, dim] and the scores' tiles configured.
+// Pass 2 on AMX tiles over V in pairs, a window of whole KV groups (up to 16 query heads) and 64
+// dims at a time: per 16 positions and KV head, the weights (`p`, [heads, len] floats, rounded to
+// bf16 as HF's bf16 attention rounds them) times the positions' V, into all the window's heads'
+// sums at once; a KV head's A rows are zero outside its group, so its product adds only to its
+// own heads' rows. Rows past `len` in the last block are read from a zeroed copy (the weights
+// there are 0, and the cache may hold anything). The first window's first pass asks for rows
+// ahead as pass 2 of the other modes does (they bring in whole blocks). Leaves the sums in acc
+// [heads, dim] and the scores' tiles configured.
 void v_amx(const at::BFloat16* vc, const at::BFloat16* kc, const int64_t* blocks,
            const int64_t* offs, int64_t len, const float* p, float* acc, const Shape& s,
            at::BFloat16* weights, at::BFloat16* tail, int64_t ahead, int64_t hint,
            const int64_t* next_blocks, int64_t next_len) {
-  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim, chunks = s.dim / 16;
-  configure_v_tiles(s.heads);
-  _tile_zero(0);  // tile ids are constants: one statement a tile
-  if (chunks > 1) _tile_zero(1);
-  if (chunks > 2) _tile_zero(2);
-  if (chunks > 3) _tile_zero(3);
-  for (int64_t t = 0; t < len; t += PAIR_POS) {
-    const int64_t n = std::min(PAIR_POS, len - t);
-    for (int64_t pos = t; pos < t + n; ++pos)
-      ask_ahead_of_v(kc, vc, offs, pos, len, ahead, row, hint, next_blocks, next_len, s);
-    for (int64_t r = 0; r < s.heads; ++r) {  // weights[h][r][i]: head r's, in its KV head's tile
-      at::BFloat16* w = weights + ((r / group) * s.heads + r) * PAIR_POS;
-      const float* src = p + r * len + t;
-      if (n == PAIR_POS) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
-      } else {
-        for (int64_t i = 0; i < PAIR_POS; ++i) w[i] = at::BFloat16(i < n ? src[i] : 0.f);
-      }
-    }
-    const at::BFloat16* base =
-        vc + blocks[t / s.block_size] * s.block_size * row + (t % s.block_size) * s.dim;
-    for (int64_t h = 0; h < s.kv_heads; ++h) {
-      const at::BFloat16* v = base + h * s.block_size * s.dim;
-      if (n < PAIR_POS) {  // positions past len: zeros, not whatever the block holds
-        for (int64_t q = 0; q < PAIR_POS / 2; ++q) {  // a pair's row: 16 dims a vector
-          // both positions, the first alone (even lanes), or neither
-          const __mmask32 keep = 2 * q + 1 < n ? ~__mmask32(0) : 2 * q < n ? 0x55555555u : 0u;
-          for (int64_t d = 0; d < 2 * s.dim; d += 32)
-            _mm512_storeu_si512(tail + q * 2 * s.dim + d,
-                                _mm512_maskz_loadu_epi16(keep, v + q * 2 * s.dim + d));
+  const int64_t group = s.heads / s.kv_heads, row = s.kv_heads * s.dim;
+  const int64_t per_window = V_ROWS / group;  // KV heads
+  for (int64_t h0 = 0; h0 < s.kv_heads; h0 += per_window) {
+    const int64_t h1 = std::min(s.kv_heads, h0 + per_window), r0 = h0 * group;
+    configure_v_tiles((h1 - h0) * group);
+    for (int64_t d0 = 0; d0 < s.dim; d0 += V_CHUNKS * 16) {
+      const int64_t chunks = std::min(V_CHUNKS, (s.dim - d0) / 16);
+      _tile_zero(0);  // tile ids are constants: one statement a tile
+      if (chunks > 1) _tile_zero(1);
+      if (chunks > 2) _tile_zero(2);
+      if (chunks > 3) _tile_zero(3);
+      for (int64_t t = 0; t < len; t += PAIR_POS) {
+        const int64_t n = std::min(PAIR_POS, len - t);
+        for (int64_t pos = t; h0 == 0 && d0 == 0 && pos < t + n; ++pos)
+          ask_ahead_of_v(kc, vc, offs, pos, len, ahead, row, hint, next_blocks, next_len, s);
+        for (int64_t r = r0; r < h1 * group; ++r) {  // head r's, in its KV head's tile
+          at::BFloat16* w = weights + ((r / group) * V_ROWS + r - r0) * PAIR_POS;
+          const float* src = p + r * len + t;
+          if (n == PAIR_POS) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src)));
+          } else {
+            for (int64_t i = 0; i < PAIR_POS; ++i) w[i] = at::BFloat16(i < n ? src[i] : 0.f);
+          }
         }
-        v = tail;
+        const at::BFloat16* base =
+            vc + blocks[t / s.block_size] * s.block_size * row + (t % s.block_size) * s.dim;
+        for (int64_t h = h0; h < h1; ++h) {
+          const at::BFloat16* v = base + h * s.block_size * s.dim;
+          if (n < PAIR_POS) {  // positions past len: zeros, not whatever the block holds
+            for (int64_t q = 0; q < PAIR_POS / 2; ++q) {  // a pair's row: 16 dims a vector
+              // both positions, the first alone (even lanes), or neither
+              const __mmask32 keep =
+                  2 * q + 1 < n ? ~__mmask32(0) : 2 * q < n ? 0x55555555u : 0u;
+              for (int64_t d = 0; d < 2 * s.dim; d += 32)
+                _mm512_storeu_si512(tail + q * 2 * s.dim + d,
+                                    _mm512_maskz_loadu_epi16(keep, v + q * 2 * s.dim + d));
+            }
+            v = tail;
+          }
+          v += d0 * 2;  // the pass's first dim, in pairs
+          _tile_loadd(4, weights + h * V_ROWS * PAIR_POS, PAIR_POS * 2);
+          _tile_loadd(5, v, s.dim * 4);
+          _tile_dpbf16ps(0, 4, 5);
+          if (chunks > 1) {
+            _tile_loadd(6, v + 32, s.dim * 4);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (chunks > 2) {
+            _tile_loadd(5, v + 64, s.dim * 4);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (chunks > 3) {
+            _tile_loadd(6, v + 96, s.dim * 4);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
       }
-      _tile_loadd(4, weights + h * s.heads * PAIR_POS, PAIR_POS * 2);
-      _tile_loadd(5, v, s.dim * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      if (chunks > 1) {
-        _tile_loadd(6, v + 32, s.dim * 4);
-        _tile_dpbf16ps(1, 4, 6);
-      }
-      if (chunks > 2) {
-        _tile_loadd(5, v + 64, s.dim * 4);
-        _tile_dpbf16ps(2, 4, 5);
-      }
-      if (chunks > 3) {
-        _tile_loadd(6, v + 96, s.dim * 4);
-        _tile_dpbf16ps(3, 4, 6);
-      }
+      float* out = acc + r0 * s.dim + d0;
+      _tile_stored(0, out, s.dim * 4);
+      if (chunks > 1) _tile_stored(1, out + 16, s.dim * 4);
+      if (chunks > 2) _tile_stored(2, out + 32, s.dim * 4);
+      if (chunks > 3) _tile_stored(3, out + 48, s.dim * 4);
     }
   }
-  _tile_stored(0, acc, s.dim * 4);
-  if (chunks > 1) _tile_stored(1, acc + 16, s.dim * 4);
-  if (chunks > 2) _tile_stored(2, acc + 32, s.dim * 4);
-  if (chunks > 3) _tile_stored(3, acc + 48, s.dim * 4);
   configure_scores(group);
 }
 #endif
@@ -674,8 +687,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
 #if defined(PREFIXSERVE_AMX)
   if (mode == 2 && !amx_fits(s)) mode = 3;  // K is in pairs either way
   TORCH_CHECK(mode != 4 || (std::is_same_v<T, at::BFloat16> && v_tiles_fit(s)),
-              "paged_decode: V in pairs needs bf16, heads in 32s of up to 64 values, up to 16 "
-              "query heads and blocks in 16s");
+              "paged_decode: V in pairs needs bf16, heads in 32s, up to 16 query heads a KV "
+              "head and blocks in 16s");
 #endif
   const bool k_paired = mode == 2 || mode == 3 || mode == 4, v_paired = mode == 4;
   TORCH_CHECK(!k_paired || (std::is_same_v<T, at::BFloat16> && pairs_fit(s)),
@@ -717,7 +730,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     const int64_t begin = starts[first], end = starts[after];
     Scratch w{std::vector<int64_t>(longest), std::vector<float>(s.heads * longest),
               std::vector<float>(s.heads * L * L), std::vector<float>(s.heads * chunks * L),
-              std::vector<at::BFloat16>(v_paired ? s.kv_heads * s.heads * PAIR_POS : 0),
+              std::vector<at::BFloat16>(v_paired ? s.kv_heads * V_ROWS * PAIR_POS : 0),
               std::vector<at::BFloat16>(v_paired ? PAIR_POS * s.dim : 0)};
 #if defined(PREFIXSERVE_AMX)
     if (mode == 2 || mode == 4) configure_scores(s.heads / s.kv_heads);
