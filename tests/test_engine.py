@@ -44,16 +44,19 @@ ARCHS = {
 }
 
 
-def write_checkpoint(path: Path, arch: str, heads: int = 4) -> torch.nn.Module:
+def write_checkpoint(path: Path, arch: str, heads: int = 4, hidden: int = 64,
+                     kv_heads: int | None = None, init: float = 0.1) -> torch.nn.Module:
     config_cls, model_cls, extra = ARCHS[arch]
+    if kv_heads is not None:
+        extra = {**extra, "num_key_value_heads": kv_heads}
     config = config_cls(
         vocab_size=VOCAB,
-        hidden_size=64,
+        hidden_size=hidden,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=heads,
         max_position_embeddings=256,
-        initializer_range=0.1,  # sharper logits: no near-ties for greedy to flip on
+        initializer_range=init,  # 0.1: sharper logits, no near-ties for greedy to flip on
         bos_token_id=None,
         eos_token_id=None,
         **extra,

@@ -198,6 +198,32 @@ def test_an_engine_with_kv_in_pairs_agrees_with_transformers_through_hits_and_ti
 
 
 @needs_pairs
+def test_an_engine_of_more_query_heads_than_a_tile_has_rows_sums_v_in_windows(
+        tmp_path: Path, monkeypatch) -> None:
+    """32 query heads over 8 KV heads (a Llama-3.2-1B's counts), pinned to AMX tiles: V in
+    pairs, summed in two windows of 16 heads, and bf16 greedy tokens pass the low-precision
+    referee cold and with prefix hits."""
+    if not KERNEL.amx_tiles:
+        pytest.skip("no AMX-BF16 tiles here")
+    # heads of 32 values; weights of HF's default spread (wider ones put bf16's rounding past
+    # the referee's near-tie bound in this model's 1,024 dims whichever way K/V are read)
+    model = write_checkpoint(tmp_path / "llama", "llama", heads=32, hidden=1024, kv_heads=8,
+                             init=0.04)
+    eng = pinned_engine(tmp_path / "llama", tmp_path / "disk", "amx", monkeypatch,
+                        num_blocks=24, max_num_seqs=4, max_num_batched_tokens=256)
+    assert layout(eng) == "kv_pairs"
+    hf = copy.deepcopy(model).to(BF16)
+    batch = prompts(40, 44, 36, 50, start=11)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, ignore_eos=True)
+    cold = eng.generate(batch, params)
+    again = eng.generate(batch, params)
+    assert sum(r.num_cached_tokens for r in again) > 0
+    for results in (cold, again):
+        assert_agrees_teacher_forced(hf, batch, results)
+    eng.tiers.close()
+
+
+@needs_pairs
 def test_disk_files_are_position_major_so_any_order_loads_them(tmp_path: Path,
                                                                monkeypatch) -> None:
     """A warm restart across orders: a worker with K in pairs writes its prefix's blocks, one
