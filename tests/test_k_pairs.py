@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -28,50 +29,43 @@ needs_pairs = pytest.mark.skipif(KERNEL is None or not KERNEL.k_pairs,
                                  reason="no AVX512-BF16 pair products in this build")
 
 
-def test_store_and_gather_agree_with_the_position_major_cache() -> None:
-    """Rows stored in pairs and read back are the rows stored position-major; the two layouts
-    convert into each other, a whole block's copy too (K only); only whole 16-position vectors
-    of pairs of dims are taken."""
-    g = torch.Generator().manual_seed(3)
+def stored_both_ways(order: ModuleType, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A cache position-major and the same in `order` (`k_pairs` or `v_pairs`), each with new
+    rows stored: the two convert into each other, before and after, and gather the same."""
+    g = torch.Generator().manual_seed(seed)
     nb, bs, kvh, dim = 6, 32, 3, 8
     rows = torch.randn(nb, bs, kvh, dim, generator=g).to(BF16)
-    pairs = k_pairs.to_pairs(rows)
+    pairs = order.to_pairs(rows)
     assert pairs.shape == rows.shape and not torch.equal(pairs, rows)
-    assert torch.equal(k_pairs.to_rows(pairs), rows)
-    within = pairs.view(nb, kvh, dim // 2, bs, 2)  # each block's order
-    assert within[2, 1, 3, 17].tolist() == rows[2, 17, 1, 6:8].tolist()
+    assert torch.equal(order.to_rows(pairs), rows)
     slots = torch.tensor([5, 40, 191, 64, 0])
     new = torch.randn(5, kvh, dim, generator=g).to(BF16)
     store_rows(new, rows, slots)
-    k_pairs.store(new, pairs, slots)
-    assert torch.equal(k_pairs.to_rows(pairs), rows)
+    order.store(new, pairs, slots)
+    assert torch.equal(order.to_rows(pairs), rows)
     for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
         blocks = torch.tensor(blocks)
-        assert torch.equal(k_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
+        assert torch.equal(order.gather(pairs, blocks, length), _gather(rows, blocks, length))
+    return rows, pairs
+
+
+def test_store_and_gather_agree_with_the_position_major_cache() -> None:
+    """Rows stored in pairs and read back are the rows stored position-major; the two layouts
+    convert into each other; only whole 16-position vectors of pairs of dims are taken."""
+    rows, pairs = stored_both_ways(k_pairs, 3)
+    within = pairs.view(6, 3, 4, 32, 2)  # each block's order: [kv_heads, dim / 2, block, 2]
+    assert within[2, 1, 3, 17].tolist() == rows[2, 17, 1, 6:8].tolist()
     assert k_pairs.fits(16, 64) and k_pairs.fits(32, 4)
     assert not k_pairs.fits(8, 64) and not k_pairs.fits(16, 6)
 
 
 def test_v_in_pairs_of_positions_stores_and_gathers_as_the_position_major_cache() -> None:
     """V stored in pairs of positions and read back is V stored position-major; a position's
-    values sit beside its neighbour's, dim by dim; the kernel's tiles take heads of 32 or 64
-    values, up to 16 query heads, blocks in 16s."""
-    g = torch.Generator().manual_seed(4)
-    nb, bs, kvh, dim = 6, 32, 3, 8
-    rows = torch.randn(nb, bs, kvh, dim, generator=g).to(BF16)
-    pairs = v_pairs.to_pairs(rows)
-    assert pairs.shape == rows.shape and not torch.equal(pairs, rows)
-    assert torch.equal(v_pairs.to_rows(pairs), rows)
-    within = pairs.view(nb, kvh, bs // 2, dim, 2)  # each block's order
+    values sit beside its neighbour's, dim by dim; the kernel's tiles take heads in 32s, up to
+    16 query heads a KV head, blocks in 16s."""
+    rows, pairs = stored_both_ways(v_pairs, 4)
+    within = pairs.view(6, 3, 16, 8, 2)  # each block's order: [kv_heads, block / 2, dim, 2]
     assert within[2, 1, 8, 5].tolist() == rows[2, 16:18, 1, 5].tolist()
-    slots = torch.tensor([5, 40, 191, 64, 0])
-    new = torch.randn(5, kvh, dim, generator=g).to(BF16)
-    store_rows(new, rows, slots)
-    v_pairs.store(new, pairs, slots)
-    assert torch.equal(v_pairs.to_rows(pairs), rows)
-    for blocks, length in [([4, 1], 40), ([0], 1), ([5, 2, 3], 96), ([3, 0], 33)]:
-        blocks = torch.tensor(blocks)
-        assert torch.equal(v_pairs.gather(pairs, blocks, length), _gather(rows, blocks, length))
     # (block size, head size, query heads a KV head)
     assert all([v_pairs.fits(16, 64, 3), v_pairs.fits(32, 32, 16), v_pairs.fits(16, 128, 4),
                 v_pairs.fits(16, 96, 5)])

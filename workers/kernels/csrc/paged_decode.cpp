@@ -227,13 +227,10 @@ void scores_amx(const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* b
 
 constexpr int64_t V_CHUNKS = 4;  // result tiles of 16 dims: a pass takes 64 of a head's values
 
-// Mode 4 also lays V out in pairs of positions within each block, [kv_heads, block_size / 2,
-// dim, 2]: a row of 16 dims of one pair of positions is the layout a tile's B operand takes.
-// Any shape the scores' tiles take: windows of whole KV groups up to 16 query heads, passes of
-// up to 64 dims.
-bool v_tiles_fit(const Shape& s) { return amx_fits(s); }
-
-// Where V's value (position o of a block, KV head h, dim d) sits within the block in mode 4.
+// Where V's value (position o of a block, KV head h, dim d) sits within the block in mode 4,
+// which lays V out in pairs of positions, [kv_heads, block_size / 2, dim, 2]: a row of 16 dims
+// of one pair of positions is the layout a tile's B operand takes. Any shape the scores' tiles
+// take (amx_fits): windows of whole KV groups up to 16 query heads, passes of up to 64 dims.
 inline int64_t v_pair_at(int64_t o, int64_t h, int64_t d, const Shape& s) {
   return ((h * s.block_size + o - o % 2) * s.dim + 2 * d) + o % 2;
 }
@@ -512,10 +509,8 @@ void attend(const T* kc, const T* vc, const int64_t* blocks, int64_t len, const 
       unscaled[r * (s.dim + 2) + s.dim + 1] = total;
       continue;
     }
-    const Vec inv(1.f / total);
-    int64_t i = 0;
-    for (; i + L <= len; i += L) (Vec::loadu(p + i) * inv).store(p + i);
-    for (; i < len; ++i) p[i] /= total;
+    const float inv = 1.f / total;
+    for (int64_t i = 0; i < len; ++i) p[i] *= inv;
   }
   // Pass 2: v_rows rows at a time into each head's accumulators; past the end, the last row
   // again, weighed 0.
@@ -686,7 +681,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // elsewhere.
 #if defined(PREFIXSERVE_AMX)
   if (mode == 2 && !amx_fits(s)) mode = 3;  // K is in pairs either way
-  TORCH_CHECK(mode != 4 || (std::is_same_v<T, at::BFloat16> && v_tiles_fit(s)),
+  TORCH_CHECK(mode != 4 || (std::is_same_v<T, at::BFloat16> && amx_fits(s)),
               "paged_decode: V in pairs needs bf16, heads in 32s, up to 16 query heads a KV "
               "head and blocks in 16s");
 #endif
