@@ -5,6 +5,7 @@
 #include "vec.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cstring>

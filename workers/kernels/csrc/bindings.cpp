@@ -3,7 +3,7 @@
 // tile_linear.cpp (bf16 matmuls over tile weights), int4_linear.cpp (over int4 weights) and argmax.cpp
 // (greedy sampling's pick).
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <atomic>
 #include <optional>

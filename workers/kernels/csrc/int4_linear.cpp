@@ -11,6 +11,7 @@
 #include "vec.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>

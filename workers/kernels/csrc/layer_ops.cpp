@@ -8,6 +8,8 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 
 #include <cmath>
 #include <type_traits>

@@ -41,6 +41,7 @@
 #include "amx.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #include <algorithm>
 #include <cmath>

@@ -9,6 +9,7 @@
 #include "vec.h"
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>

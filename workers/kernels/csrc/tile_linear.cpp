@@ -15,8 +15,10 @@
 // only where the compiler targets AMX-BF16, the pairs only where it targets AVX512-BF16
 // (-march=native on such a CPU); `tile_linear_engine` says which one runs ("" where neither: the
 // kernel refuses).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include <algorithm>
 #include <cstdint>

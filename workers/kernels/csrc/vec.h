@@ -14,7 +14,7 @@
 #define CPU_CAPABILITY DEFAULT
 #endif
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
