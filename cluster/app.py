@@ -93,10 +93,12 @@ def request_router_config(
     stats_period_s: float = ROUTING_STATS_PERIOD_S,
 ) -> RequestRouterConfig:
     """The workers' request router for ``policy`` (``router.routing_policies``). Index-backed
-    routers get the router and index sections, as plain dicts."""
+    routers get the router and index sections, as plain dicts; the others the one router
+    setting every policy honours, how long a call aimed at one worker waits for it."""
     routing = ROUTING_POLICIES[policy]
     if not routing.needs_index:
-        return RequestRouterConfig(request_router_class=routing.request_router)
+        return RequestRouterConfig(request_router_class=routing.request_router,
+                                   request_router_kwargs={"target_wait_s": router.target_wait_s})
     return RequestRouterConfig(
         request_router_class=routing.request_router,
         request_router_kwargs={"redis_url": redis_url, "settings": router.model_dump(),

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from prefixserve.router.request import GenerateRequest
 from prefixserve.router.serve_compat import (
@@ -107,12 +108,18 @@ class ServeRanked(ServeRequestRouter):
     (``class P(ServeRanked, PowerOfTwoChoicesRequestRouter)``); every other call is routed
     here, as under every policy."""
 
+    def initialize_state(self, target_wait_s: float = TARGET_WAIT_S, **kwargs: Any) -> None:
+        """`target_wait_s` is the router section's; the rest is the Serve router's own."""
+        self._target_wait_s = target_wait_s
+        super().initialize_state(**kwargs)
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> Tiers:
-        return await route_call(self, candidate_replicas, pending_request, self._serve_ranks)
+        return await route_call(self, candidate_replicas, pending_request, self._serve_ranks,
+                                target_wait_s=self._target_wait_s)
 
     async def _serve_ranks(self, candidates: list[RunningReplica], pending: PendingRequest,
                            request: GenerateRequest) -> Tiers:

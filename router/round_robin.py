@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from prefixserve.router.call_routing import Tiers, route_call
+from prefixserve.router.call_routing import TARGET_WAIT_S, Tiers, route_call
 from prefixserve.router.request import GenerateRequest
 from prefixserve.router.serve_compat import (
     PendingRequest,
@@ -21,15 +21,17 @@ from prefixserve.router.serve_compat import (
 
 
 class RoundRobinRequestRouter(ServeRequestRouter):
-    def initialize_state(self) -> None:
+    def initialize_state(self, target_wait_s: float = TARGET_WAIT_S) -> None:
         self._turn = itertools.count()
+        self._target_wait_s = target_wait_s
 
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> Tiers:
-        return await route_call(self, candidate_replicas, pending_request, self._rotate)
+        return await route_call(self, candidate_replicas, pending_request, self._rotate,
+                                target_wait_s=self._target_wait_s)
 
     async def _rotate(self, candidates: list[RunningReplica], pending: PendingRequest,
                       request: GenerateRequest) -> Tiers:

@@ -30,7 +30,7 @@ class RouterSettings(BaseModel):
         "model fingerprint")
     target_wait_s: float = Field(
         10.0, gt=0.0, description="How long a call for one named worker waits for that replica "
-        "to appear")
+        "to appear, under every policy")
     max_match_tokens: int = Field(
         131072, ge=1, description="Routing matches at most this many leading prompt tokens "
         "(past it every worker counts as uncached)")

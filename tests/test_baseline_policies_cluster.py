@@ -19,6 +19,8 @@ from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 pytestmark = pytest.mark.cluster
 
+TARGET_WAIT_S = 1.0  # the router section's, which every policy honours
+
 
 @pytest.fixture(scope="module", params=["ray_prefix", "round_robin", "pow2"])
 def app(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
@@ -27,6 +29,7 @@ def app(request: pytest.FixtureRequest) -> Iterator[tuple[str, str, str]]:
     config = ClusterConfig(
         model=BUILTIN_MODEL_NAME, policy=policy, num_workers=2, cpus_per_worker=0.5,
         cpus_per_ingress=0.25, num_blocks=128, max_model_len=512, max_num_seqs=16,
+        router={"target_wait_s": TARGET_WAIT_S},
     )
     name = f"prefixserve-{policy.replace('_', '-')}"
     with serve_app(config, name) as url:
@@ -72,8 +75,9 @@ def test_calls_aimed_at_one_worker_reach_it(app: tuple[str, str, str]) -> None:
         for _ in range(5):  # one landing elsewhere would be refused there (ValueError)
             assert handle.stats.remote(target_worker=worker).result(timeout_s=30)["worker"] == (
                 worker)
+    # after the router section's wait, well before the 10 s default's
     with pytest.raises(NoSuchReplica, match="no-such-replica"):
-        handle.stats.remote(target_worker="no-such-replica").result(timeout_s=60)
+        handle.stats.remote(target_worker="no-such-replica").result(timeout_s=8)
 
 
 def test_a_batch_of_prompts_is_routed_whole(base_url: str) -> None:

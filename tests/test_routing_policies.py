@@ -8,9 +8,12 @@ import typing
 import pytest
 from pydantic import ValidationError
 
+from prefixserve.cluster.app import request_router_config
 from prefixserve.cluster.config import ClusterConfig, Policy
+from prefixserve.router.index import IndexSettings
 from prefixserve.router.ray_prefix import token_text
 from prefixserve.router.request import GenerateRequest
+from prefixserve.router.router_settings import RouterSettings
 from prefixserve.router.routing_policies import POLICY_NAMES, ROUTING_POLICIES
 from prefixserve.router.serve_compat import PowerOfTwoChoicesRequestRouter, ServeRequestRouter
 
@@ -36,6 +39,22 @@ def test_the_known_policies_and_what_they_need() -> None:
     assert issubclass(pow2, PowerOfTwoChoicesRequestRouter)
     assert load(ROUTING_POLICIES["prefix"].request_router).__name__ == "PrefixAwareRequestRouter"
     assert load(ROUTING_POLICIES["ray_prefix"].request_router).__name__ == "RayPrefixRouter"
+
+
+def test_every_policy_is_given_the_router_sections_wait_for_a_named_worker() -> None:
+    """Calls aimed at one worker are routed alike under every policy (router.call_routing),
+    and how long such a call waits for its replica is the router section's under each."""
+    router = RouterSettings(target_wait_s=2.5)
+    for name in POLICY_NAMES:
+        kwargs = request_router_config(name, REDIS, router, IndexSettings()).request_router_kwargs
+        wait = kwargs["settings"]["target_wait_s"] if name == "prefix" else kwargs["target_wait_s"]
+        assert wait == 2.5, name
+    for name in ("round_robin", "pow2"):  # (ray_prefix's state starts a Ray actor)
+        cls = load(ROUTING_POLICIES[name].request_router)
+        chooser = cls.__new__(cls)
+        chooser.initialize_state(
+            **request_router_config(name, None, router, IndexSettings()).request_router_kwargs)
+        assert chooser._target_wait_s == 2.5, name
 
 
 def test_the_config_offers_exactly_the_registered_policies() -> None:
