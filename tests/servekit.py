@@ -16,20 +16,58 @@ from prefixserve.cluster.app import build_app
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.local_redis import free_port
 
+# What a worker would otherwise measure as it starts (how the kernel reads K/V, and the row
+# counts for packed weights and the small-row kernel): about 4 s of CPU per replica, paid again
+# by every replica these tests start or restart on two shared cores. Pinned in the Ray jobs the
+# tests start; the measuring itself is tested in-process (tests/test_attention_kernel.py,
+# test_packed_linear.py, test_small_linear.py), and tests/test_cli_serve.py starts workers as a
+# user does, measuring.
+PINNED_CHOICES = {
+    "PREFIXSERVE_KV_PREFETCH_ROWS": "0",
+    "PREFIXSERVE_KV_SCORES": "lanes",
+    "PREFIXSERVE_KV_V_ROWS": "1",
+    "PREFIXSERVE_PACKED_WEIGHTS": "0",
+    "PREFIXSERVE_SMALL_LINEAR_ROWS": "4",
+    "PREFIXSERVE_TILE_WEIGHTS": "0",
+}
+
+
+def start_ray(**ray_init: Any) -> None:
+    """`ray.init` without the dashboard or driver logs, `PINNED_CHOICES` in every worker's
+    environment (a Serve application's own `env_vars` are merged over them).
+
+    Tried twice: now and then a local raylet never comes up (no log, no socket) and Ray gives
+    up after 30 s with "The current node timed out during startup"; a second start succeeds.
+    """
+    for attempt in (1, 2):
+        try:
+            ray.init(include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": PINNED_CHOICES}, **ray_init)
+            return
+        except Exception as exc:  # Ray raises a bare Exception for it
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            ray.shutdown()
+
+
+def stop_ray() -> None:
+    """Ray's shutdown, which ends Serve's controller, proxies and replicas with it. Serve's own
+    graceful shutdown first would add about 5 s a module; draining on shutdown is tested by
+    tests/test_api_guard.py."""
+    ray.shutdown()
+
 
 @contextmanager
 def serve_app(config: ClusterConfig, name: str, *, headers: dict[str, str] | None = None,
               ready_timeout_s: float = 90.0, **ray_init: Any) -> Iterator[str]:
-    """Yield the base URL once `/v1/models` answers 200; Serve and Ray stop on exit.
+    """Yield the base URL once `/v1/models` answers 200; Ray (and Serve with it) stops on exit.
 
     Ray starts fresh: Serve's HTTP port is fixed per Ray instance, so a Ray left running by an
     earlier module is shut down first.
     """
     if ray.is_initialized():
-        serve.shutdown()
-        ray.shutdown()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             **ray_init)
+        stop_ray()
+    start_ray(address="local", num_cpus=2, **ray_init)
     port = free_port()  # after Ray's own processes have taken their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -41,8 +79,7 @@ def serve_app(config: ClusterConfig, name: str, *, headers: dict[str, str] | Non
             time.sleep(0.2)
         yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 def wait_for(predicate: Callable[[], object], timeout_s: float, interval_s: float = 0.1) -> bool:

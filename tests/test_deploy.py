@@ -16,11 +16,11 @@ from typing import Any
 
 import httpx
 import pytest
-import ray
 import yaml
 from ray import serve
 from ray.serve.context import _get_global_client
 from ray.serve.schema import ServeDeploySchema
+from servekit import start_ray, stop_ray
 
 from prefixserve.cluster.app import app_builder
 from prefixserve.cluster.config import REDIS_URL_ENV, ClusterConfig
@@ -142,7 +142,7 @@ def scaled_down(redis_url: str, port: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def deployed(redis_server: LocalRedis) -> Iterator[str]:
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_ray(address="local", num_cpus=2)
     port = free_port()  # after Ray's own processes have taken their ports
     try:
         config = ServeDeploySchema.model_validate(scaled_down(redis_server.url, port))
@@ -162,8 +162,7 @@ def deployed(redis_server: LocalRedis) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 @pytest.mark.cluster

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from servekit import start_ray, stop_ray
 
 from prefixserve.cluster.app import build_app
 from prefixserve.cluster.config import ClusterConfig
@@ -55,15 +55,14 @@ def deployed(redis_server: LocalRedis) -> Iterator[Deployed]:
         worker_resources={"accel": 1}, cpus_per_worker=0.5, cpus_per_ingress=0.25,
         num_blocks=128, max_model_len=512, max_num_seqs=8, index=INDEX,
     )
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    start_ray(address=cluster.address)
     port = free_port()  # after Ray's own processes have taken their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         serve.run(build_app(config), name="three-nodes", route_prefix="/")
         yield Deployed(f"http://127.0.0.1:{port}", cluster, nodes)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
         cluster.shutdown()
 
 

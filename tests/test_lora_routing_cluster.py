@@ -13,11 +13,10 @@ from pathlib import Path
 
 import peft
 import pytest
-import ray
 import torch
 import transformers
 from ray import serve
-from servekit import request_router, wait_for
+from servekit import request_router, start_ray, stop_ray, wait_for
 
 from prefixserve.cluster.app import request_router_config
 from prefixserve.cluster.local_redis import LocalRedis
@@ -61,7 +60,7 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def handle(redis_server: LocalRedis, adapters: dict[str, str]):
     engine = {"block_size": BLOCK, "num_blocks": 128, "max_num_seqs": 8, "max_loras": 1,
               "lora_modules": adapters}
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=4)
     try:
         serve.start(proxy_location="Disabled")
         router = RouterSettings(model=MODEL, block_size=BLOCK, lookup_deadline_s=0.1,
@@ -74,8 +73,7 @@ def handle(redis_server: LocalRedis, adapters: dict[str, str]):
                               stream_interval=1, drain_timeout_s=5.0, heartbeat_interval_s=0.2)
         yield serve.run(app, name="lora-routing", route_prefix=None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 def run(handle, adapter: str | None) -> list[TokenDelta]:

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import ray
 from ray import serve
-from servekit import request_router, wait_for
+from servekit import request_router, start_ray, stop_ray, wait_for
 
 from prefixserve.cluster.app import request_router_config
 from prefixserve.cluster.local_redis import LocalRedis
@@ -53,7 +53,7 @@ def event_log(request: pytest.FixtureRequest) -> int:
 @pytest.fixture(scope="module")
 def handle(redis_server: LocalRedis, event_log: int):
     model_path = str(ensure_builtin_model())
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    start_ray(num_cpus=4)
     try:
         serve.start(proxy_location="Disabled")
         router = RouterSettings(model=MODEL, block_size=BLOCK, lookup_deadline_s=0.1,
@@ -71,8 +71,7 @@ def handle(redis_server: LocalRedis, event_log: int):
                               drain_timeout_s=5.0, heartbeat_interval_s=0.2)
         yield serve.run(app, name="routing", route_prefix=None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
 
 
 def prefix(seed: int, blocks: int = PREFIX_BLOCKS) -> list[int]:

@@ -8,9 +8,9 @@ import random
 from collections import Counter
 
 import pytest
-import ray
 from ray import serve
 from ray.cluster_utils import Cluster
+from servekit import start_ray, stop_ray
 
 from prefixserve.cluster.app import request_router_config
 from prefixserve.cluster.local_redis import LocalRedis
@@ -34,7 +34,7 @@ def handle(redis_server: LocalRedis):
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     for _ in range(2):
         cluster.add_node(num_cpus=1, resources={"llm_slot": 1})
-    ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+    start_ray(address=cluster.address)
     try:
         serve.start(proxy_location="Disabled")
         deployment = worker_deployment(
@@ -53,8 +53,7 @@ def handle(redis_server: LocalRedis):
                               heartbeat_interval_s=0.2)
         yield serve.run(app, name="multinode", route_prefix=None)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        stop_ray()
         cluster.shutdown()
 
 
