@@ -37,7 +37,7 @@ def start_ray(**ray_init: Any) -> None:
     environment (a Serve application's own `env_vars` are merged over them).
 
     Tried twice: now and then a local raylet never comes up (no log, no socket) and Ray gives
-    up after 30 s with "The current node timed out during startup"; a second start succeeds.
+    up after 30 s with "The current node timed out during startup".
     """
     for attempt in (1, 2):
         try:
@@ -51,9 +51,9 @@ def start_ray(**ray_init: Any) -> None:
 
 
 def stop_ray() -> None:
-    """Ray's shutdown, which ends Serve's controller, proxies and replicas with it. Serve's own
-    graceful shutdown first would add about 5 s a module; draining on shutdown is tested by
-    tests/test_api_guard.py."""
+    """Ray's shutdown: a Ray this process started ends Serve's controller, proxies and replicas
+    with it (a `Cluster`'s nodes end with its own shutdown). Serve's graceful shutdown first
+    would add about 5 s a module; draining on shutdown is tested by tests/test_api_guard.py."""
     ray.shutdown()
 
 
