@@ -91,8 +91,9 @@ def _build(name: str, sources: list[Path], folder: Path) -> ModuleType:
     lock = folder / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
         lock.unlink(missing_ok=True)
+    # copies: torch's builder appends its own link flags to the list it is given
     return cpp_extension.load(name=name, sources=[str(s) for s in sources],
-                              extra_cflags=CFLAGS + OPENMP, extra_ldflags=OPENMP,
+                              extra_cflags=[*CFLAGS, *OPENMP], extra_ldflags=[*OPENMP],
                               build_directory=str(folder), verbose=False)
 
 
