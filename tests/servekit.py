@@ -16,12 +16,12 @@ from prefixserve.cluster.app import build_app
 from prefixserve.cluster.config import ClusterConfig
 from prefixserve.cluster.local_redis import free_port
 
-# What a worker would otherwise measure as it starts (how the kernel reads K/V, and the row
-# counts for packed weights and the small-row kernel): about 4 s of CPU per replica, paid again
-# by every replica these tests start or restart on two shared cores. Pinned in the Ray jobs the
-# tests start; the measuring itself is tested in-process (tests/test_attention_kernel.py,
-# test_packed_linear.py, test_small_linear.py), and tests/test_cli_serve.py starts workers as a
-# user does, measuring.
+# What a worker would otherwise measure as it starts (how the kernel reads K/V, the row counts
+# for packed weights and the small-row kernel, bf16's tile weights): about 4 s of CPU a
+# replica, paid again by every replica these tests start or restart on two shared cores. Pinned
+# in the Ray jobs the tests start; the measuring itself is tested in-process
+# (tests/test_attention_kernel.py, test_packed_linear.py, test_small_linear.py,
+# test_tile_linear.py), and tests/test_cli_serve.py starts workers as a user does, measuring.
 PINNED_CHOICES = {
     "PREFIXSERVE_KV_PREFETCH_ROWS": "0",
     "PREFIXSERVE_KV_SCORES": "lanes",
@@ -34,20 +34,9 @@ PINNED_CHOICES = {
 
 def start_ray(**ray_init: Any) -> None:
     """`ray.init` without the dashboard or driver logs, `PINNED_CHOICES` in every worker's
-    environment (a Serve application's own `env_vars` are merged over them).
-
-    Tried twice: now and then a local raylet never comes up (no log, no socket) and Ray gives
-    up after 30 s with "The current node timed out during startup".
-    """
-    for attempt in (1, 2):
-        try:
-            ray.init(include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": PINNED_CHOICES}, **ray_init)
-            return
-        except Exception as exc:  # Ray raises a bare Exception for it
-            if attempt == 2 or "timed out during startup" not in str(exc):
-                raise
-            ray.shutdown()
+    environment (a Serve application's own `env_vars` are merged over them)."""
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": PINNED_CHOICES}, **ray_init)
 
 
 def stop_ray() -> None:
