@@ -186,8 +186,10 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
         base = f"http://{host}:{config.port}"
         if not wait_ready(base, stop):
             return 0
-        print(f"prefixserve: ready: serving the OpenAI API at {base}/v1 (model "
-              f"{config.model_name()!r}); Ctrl-C to stop", flush=True)
+        # one write: Ray's log thread prints worker output to this stdout too
+        sys.stdout.write(f"prefixserve: ready: serving the OpenAI API at {base}/v1 (model "
+                         f"{config.model_name()!r}); Ctrl-C to stop\n")
+        sys.stdout.flush()
         while not stop.wait(0.5):
             pass
         print("prefixserve: shutting down ...", flush=True)
