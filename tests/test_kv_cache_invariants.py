@@ -194,6 +194,66 @@ def test_rollback_skips_blocks_evicted_within_the_step() -> None:
     check_invariants(kv)
 
 
+def test_rollback_goes_on_past_a_block_evicted_and_reused_unhashed_within_the_step() -> None:
+    kv = KVCacheManager(4, BS)
+    z = list(range(5))
+    assert admit(kv, "z", z)  # blocks [0, 1], z's first block hashed on 0
+    assert admit(kv, "p", z[:4] + list(range(100, 105)))  # hit 0, then [2, 3], p1 on 2
+    p1 = chain(z[:4] + list(range(100, 105)))[1]
+    kv.free("p")  # 3 (unhashed) to the front, 2 (hashed) to the back
+    assert free_ids(kv) == [3, 2]
+    assert admit(kv, "w", [500, 501])  # takes 3
+    assert admit(kv, "q", [*z[:4], 600, 601])  # hit 0, then 2 as its partial block: p1 evicted
+    assert kv.block_ids("q") == [0, 2] and kv.pool.blocks[2].block_hash is None
+    kv.free("w")
+    y = list(range(700, 704))
+    assert admit(kv, "y", y)  # 3 again, hashed y's block
+    assert [b.block_id for b in kv.pool.uncommitted] == [0, 2, 3]
+    kv.take_events()
+    kv.rollback_step()
+    # block 2's listing (its hash evicted in the step) is skipped, and y's after it undone too
+    assert kv.take_events() == [BlockRemoved((chain(z)[0], chain(y)[0]))]
+    assert kv.cached_hashes() == [] and p1 not in kv.pool.cached
+    check_invariants(kv)
+
+
+def test_with_tiers_below_a_block_hashed_in_the_step_is_removed_not_offloaded() -> None:
+    kv = KVCacheManager(4, BS)
+    offloaded: list[list[bytes]] = []
+    kv.pool.on_evict = lambda evicted: offloaded.append([h for h, _ in evicted])
+    a, b = list(range(8)), list(range(100, 108))
+    assert admit(kv, "a", a)  # blocks [0, 1]
+    kv.commit_step()  # a's KV is written: an eviction may offload it
+    kv.free("a")
+    assert admit(kv, "b", b)  # blocks [2, 3], hashed in this step: no KV yet
+    kv.free("b")
+    assert free_ids(kv) == [1, 0, 3, 2]
+    kv.take_events()
+    assert admit(kv, "c", list(range(50, 66)))  # every block: a's and b's evicted together
+    ha, hb = chain(a), chain(b)
+    assert offloaded == [[ha[1], ha[0]]]  # the committed ones go to the tiers, and only they
+    assert kv.take_events() == [BlockRemoved((hb[1], hb[0])),
+                                BlockStored(tuple(chain(list(range(50, 66)))))]
+    check_invariants(kv)
+
+
+def test_admission_gives_back_the_blocks_held_while_waiting() -> None:
+    kv = KVCacheManager(4, BS)
+    a = list(range(8))
+    assert admit(kv, "a", a)
+    kv.free("a")
+    hashes = chain([*a, 9])
+    hits = kv.computed_blocks(hashes, 9)
+    kv.hold("s", hits)  # a waiting sequence keeps its hits from eviction
+    assert [kv.pool.blocks[i].ref_cnt for i in (0, 1)] == [1, 1] and kv.num_free_blocks == 2
+    assert kv.allocate_slots("s", 8, 1, hashes, hits)
+    # admitted: the table's references replace the hold's
+    assert kv.held == {} and refs(kv) == [1, 1, 1, 0]
+    kv.free("s")
+    assert refs(kv) == [0, 0, 0, 0] and kv.num_free_blocks == 4
+    check_invariants(kv)
+
+
 # --- KVCacheManager -----------------------------------------------------------------------
 
 
