@@ -11,7 +11,14 @@ from fleetkit import Fleet, digests, reference, reference_lower
 
 from prefixserve.cluster.local_redis import LocalRedis
 from prefixserve.router.blocks import Chain
-from prefixserve.router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from prefixserve.router.events import (
+    DISK,
+    HOST,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from prefixserve.router.index import IndexSettings, ResultCode
 from prefixserve.router.local_index import LocalIndex, PredictedBlocks
 from prefixserve.router.redis_index import RedisPrefixIndex
@@ -224,6 +231,34 @@ def test_entries_count_what_the_base_and_the_delta_hold_together() -> None:
     index._merge()
     assert (len(index), index.nbytes) == (31, 310)
     assert index.depths(Chain.of(chain)) == {1: 27, 3: 4}
+
+
+def test_a_worker_whose_first_block_is_below_its_pool_has_every_block_there(make) -> None:
+    chain = digests(random.Random(11), 6)
+    index = make()
+    index.apply(1, [BlockStored(tuple(chain), HOST)])
+    index.apply(2, [BlockStored(tuple(chain[:4]), DISK)])
+    index.apply(3, [BlockStored(tuple(chain[:2]), HOST), BlockStored(tuple(chain[2:5]), DISK)])
+    index.apply(4, [BlockStored(tuple(chain))])
+    depths = index.depths(Chain.of(chain))
+    assert depths == {1: 6, 2: 4, 3: 5, 4: 6}
+    assert index.lower_blocks(Chain.of(chain), depths) == {1: (6, 0), 2: (0, 4), 3: (2, 3)}
+    index.replace(1, chain)  # a resync states the pool's blocks: none below it now
+    depths = index.depths(Chain.of(chain))
+    assert depths == {1: 6, 2: 4, 3: 5, 4: 6}
+    assert index.lower_blocks(Chain.of(chain), depths) == {2: (0, 4), 3: (2, 3)}
+
+
+def test_a_removed_block_leaves_every_tier() -> None:
+    chain = digests(random.Random(12), 10)
+    index = LocalIndex()
+    index.apply(1, [BlockStored(tuple(chain[:5])), BlockStored(tuple(chain[5:]), HOST)])
+    index._merge()
+    assert (len(index), index.nbytes) == (10, 150)  # every entry, and the host tier's 5 again
+    index.apply(1, [BlockRemoved(tuple(chain))])
+    index._merge()
+    assert (len(index), index.nbytes) == (0, 0)
+    assert index.lower_blocks(Chain.of(chain), {1: 10}) == {}
 
 
 @pytest.mark.parametrize("merge_min", [LocalIndex.MERGE_MIN, 0], ids=["delta", "always-merged"])
