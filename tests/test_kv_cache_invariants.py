@@ -198,8 +198,9 @@ def test_rollback_goes_on_past_a_block_evicted_and_reused_unhashed_within_the_st
     kv = KVCacheManager(4, BS)
     z = list(range(5))
     assert admit(kv, "z", z)  # blocks [0, 1], z's first block hashed on 0
-    assert admit(kv, "p", z[:4] + list(range(100, 105)))  # hit 0, then [2, 3], p1 on 2
-    p1 = chain(z[:4] + list(range(100, 105)))[1]
+    p = [*z[:4], *range(100, 105)]
+    assert admit(kv, "p", p)  # hit 0, then [2, 3], p's second block hashed on 2
+    p1 = chain(p)[1]
     kv.free("p")  # 3 (unhashed) to the front, 2 (hashed) to the back
     assert free_ids(kv) == [3, 2]
     assert admit(kv, "w", [500, 501])  # takes 3
