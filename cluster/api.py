@@ -82,6 +82,12 @@ T = TypeVar("T")
 app.openapi = partial(openapi_schema, app)  # type: ignore[method-assign]
 
 
+def _truncated(ids: list[int], req: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    """The prompt's last `truncate_prompt_tokens` tokens, as vLLM keeps them; else all."""
+    k = req.truncate_prompt_tokens
+    return ids if k is None else ids[-k:]
+
+
 @app.exception_handler(ApiError)
 async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
     return exc.response()
@@ -241,8 +247,7 @@ class OpenAIIngress:
     async def completions(self, request: Request) -> Response:
         req = parse_body(CompletionRequest, await request.body())
         adapter = self.served.resolve(req.model)
-        self.bounds.stop_ids(req.stop_token_ids)
-        self.bounds.logit_bias(req.logit_bias_ids)
+        self._check_ids(req)
         max_tokens = req.max_tokens or 16  # null: OpenAI's default
         inputs = req.prompts()
         self.bounds.cost(len(inputs), req.n, max_tokens, req.logprobs, "logprobs")
@@ -250,14 +255,14 @@ class OpenAIIngress:
             if isinstance(prompt, str):
                 self.bounds.chars(len(prompt), "prompt")
             else:
-                self.bounds.context(len(prompt), max_tokens, "prompt")
-        prompts = [await self._prompt_ids(p) for p in inputs]
+                self.bounds.context(len(_truncated(prompt, req)), max_tokens, "prompt")
+        prompts = [_truncated(await self._prompt_ids(p, req.add_special_tokens), req)
+                   for p in inputs]
         for ids in prompts:
             self.bounds.context(len(ids), max_tokens, "prompt")
             await self._check_capacity(len(ids), "prompt")
         sampling = req.sampling_params(max_tokens, req.logprobs)
-        gen = self._generation("cmpl", prompts, sampling, req.stop_strings, request,
-                               req.cache_salt, adapter)
+        gen = self._generation("cmpl", prompts, sampling, req, request, adapter)
         if req.stream:
             return await stream_response(gen, self.render.completion_chunks(gen, req))
         per_choice = await collect(gen)
@@ -268,14 +273,14 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request) -> Response:
         req = parse_body(ChatCompletionRequest, await request.body())
         adapter = self.served.resolve(req.model)
-        self.bounds.stop_ids(req.stop_token_ids)
-        self.bounds.logit_bias(req.logit_bias_ids)
+        self._check_ids(req)
         if req.tool_mode == "auto" and self.render.tool_parser is None:
             raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server '
                            'started with --enable-auto-tool-choice and --tool-call-parser',
                            param="tool_choice")
-        ids = await self._chat_ids(req.messages, req.add_generation_prompt,
-                                   req.chat_template_kwargs, tools=template_tools(req.tools))
+        ids = _truncated(await self._chat_ids(req.messages, req.add_generation_prompt,
+                                              req.chat_template_kwargs, req.add_special_tokens,
+                                              template_tools(req.tools)), req)
         if not ids:
             raise ApiError(400, "the rendered conversation is empty", param="messages")
         max_tokens = req.max_output_tokens or max(self.max_model_len - len(ids), 1)
@@ -284,8 +289,7 @@ class OpenAIIngress:
                          rest_of_context=req.max_output_tokens is None)
         await self._check_capacity(len(ids), "messages")
         sampling = req.sampling_params(max_tokens, req.num_logprobs)
-        gen = self._generation("chatcmpl", [ids], sampling, req.stop_strings, request,
-                               req.cache_salt, adapter)
+        gen = self._generation("chatcmpl", [ids], sampling, req, request, adapter)
         if req.tool_mode == "auto":
             gen.keep_special = self.tool_markers
         if req.stream:
@@ -296,9 +300,16 @@ class OpenAIIngress:
 
     # -- validation ---------------------------------------------------------------------------
 
-    async def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+    def _check_ids(self, req: CompletionRequest | ChatCompletionRequest) -> None:
+        """The request's token ids (stop, logit_bias, allowed) within the vocabulary."""
+        self.bounds.stop_ids(req.stop_token_ids)
+        self.bounds.logit_bias(req.logit_bias_ids)
+        self.bounds.ids(req.allowed_token_ids or [], "allowed_token_ids")
+
+    async def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
         if isinstance(prompt, str):
-            ids = await self._run(len(prompt) > INLINE_CHARS, self.tokenizer.encode, prompt)
+            ids = await self._run(len(prompt) > INLINE_CHARS, self.tokenizer.encode, prompt,
+                                  add_special_tokens)
             if not ids:
                 raise ApiError(400, "prompt encodes to no tokens", param="prompt")
             return ids
@@ -365,14 +376,16 @@ class OpenAIIngress:
                            param=param, code="kv_capacity_exceeded")
 
     def _generation(self, kind: str, prompts: list[list[int]], sampling: SamplingParams,
-                    stops: list[str], request: Request, client_salt: str | None,
+                    req: CompletionRequest | ChatCompletionRequest, request: Request,
                     adapter: Adapter | None) -> Generation:
         """The request's worker calls, in the tenant's cache namespace (when API keys are on),
         under its name in the workers' fair-share queue and under its LoRA adapter, if any."""
         tenant = getattr(request.state, "tenant", None)
-        gen = Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling, stops,
-                         tenant_salt(self.salt_secret, tenant, client_salt), tenant,
-                         self.stall_timeout_s, self.worker_health.stalled)
+        gen = Generation(self.workers, self.tokenizer, new_id(kind), prompts, sampling,
+                         req.stop_strings, tenant_salt(self.salt_secret, tenant, req.cache_salt),
+                         tenant, self.stall_timeout_s, self.worker_health.stalled,
+                         skip_special=req.skip_special_tokens,
+                         include_stop=req.include_stop_str_in_output)
         if adapter is not None:
             gen.lora, gen.model, gen.lora_path = adapter.identity, adapter.name, adapter.path
         return gen

@@ -37,12 +37,14 @@ ToolMode = Literal["none", "auto", "required", "named"]
 
 class ContentPart(RequestModel):
     type: str
-    text: str = ""
+    text: str | None = None
 
     @model_validator(mode="after")
     def _text_only(self) -> ContentPart:
         if self.type != "text":
             raise ValueError(f"only text content parts are supported, got type {self.type!r}")
+        if self.text is None:  # OpenAI's and vLLM's text part requires it
+            raise ValueError("a text content part needs its `text`")
         return self
 
 
@@ -110,7 +112,7 @@ class ChatMessage(RequestModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
     def template_message(self) -> dict[str, Any]:
         """The message as a chat template reads it (transformers' shape): a developer turn is a

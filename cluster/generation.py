@@ -71,6 +71,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[TokenLogprob] | None  # one per token
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 @dataclass
@@ -97,6 +98,8 @@ class Generation:
     stall_timeout_s: float | None = None  # a worker silent this long is stalled; None: no limit
     on_stall: Callable[[str], None] | None = None  # told the replica id of a stalled worker
     keep_special: frozenset[int] = frozenset()  # special tokens the text keeps (tool markers)
+    skip_special: bool = True  # False: the text writes every special token (vLLM's option)
+    include_stop: bool = False  # the stop string or token ends the text (vLLM's option)
     lora: str | None = None  # the LoRA adapter's identity (name@digest); None: the base model
     model: str | None = None  # the adapter's name, as responses echo it; None: the base's
     lora_path: str | None = None  # where a worker that lacks the adapter loads it from
@@ -164,8 +167,9 @@ class Generation:
         """Prompt `p` on a worker, from a clean state. Called again (a retry) only while none
         of `p`'s output has been passed on, so nothing the client saw is lost or repeated."""
         self.choices[p] = [
-            _Choice(self.tokenizer.detokenizer(self.prompts[p], self.keep_special),
-                    StopChecker(self.stops))
+            _Choice(self.tokenizer.detokenizer(self.prompts[p], self.keep_special,
+                                               self.skip_special),
+                    StopChecker(self.stops, self.include_stop))
             for _ in range(self.sampling.n)
         ]
         self.cached_tokens[p] = 0
@@ -186,19 +190,25 @@ class Generation:
         if choice.done:  # already ended by a stop string
             return None
         choice.num_tokens += len(delta.token_ids)
+        tokens, stop_token = delta.token_ids, None
+        if delta.finish_reason == "stop" and tokens:  # the engine's: EOS or a stop token id
+            stop_token = tokens[-1]
+            tokens = tokens if self.include_stop else tokens[:-1]  # its text, as vLLM
         # Stop strings count only past min_tokens, as vLLM (EOS and stop ids: the engine).
         check = choice.num_tokens > self.sampling.min_tokens
-        text, stopped = choice.stop.add(choice.detok.add(delta.token_ids), check)
-        finish = None
+        text, stopped = choice.stop.add(choice.detok.add(tokens), check)
+        finish = reason = None
         if not stopped and delta.finished:
             tail, stopped = choice.stop.add(choice.detok.flush())
             text += tail if stopped else tail + choice.stop.flush()
             finish = delta.finish_reason
+            if stop_token in self.sampling.stop_token_ids:  # EOS: None, as vLLM
+                reason = stop_token
         if stopped:
-            finish = "stop"
+            finish, reason = "stop", choice.stop.matched
         choice.done = finish is not None
         index = p * len(self.choices[p]) + delta.index
-        return ChoiceDelta(index, text, delta.logprobs, finish)
+        return ChoiceDelta(index, text, delta.logprobs, finish, reason)
 
 
 async def _next(stream: DeploymentResponseGenerator) -> TokenDelta:

@@ -2,10 +2,10 @@
 
 Requests are validated strictly (no string-to-number coercion, NaN/inf rejected, bounded lists)
 so bad input becomes a clear 400 instead of a surprise deep in the engine. Unknown fields are
-ignored: the official `openai` client and other SDKs send fields we do not act on. Fields that
-would silently change the answer if ignored (`echo`, `suffix`, `best_of`) are rejected when set
-to anything but their neutral value. The chat conversation and its tools are in
-cluster/chat_protocol.py.
+ignored: the official `openai` client and other SDKs send fields we do not act on. Fields of
+OpenAI's and vLLM's requests that would silently change the answer if ignored (`REFUSED`, and
+`best_of` other than `n`) are rejected when set to anything but their neutral value. The chat
+conversation and its tools are in cluster/chat_protocol.py.
 
 A structured output is asked for as OpenAI does (`response_format` of type `json_object` or
 `json_schema`), as vLLM does (`structured_outputs`: `json`, `regex`, `choice` or `grammar`), or
@@ -17,7 +17,7 @@ constraint that does not compile is a 400 there).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import (
     Field,
@@ -26,6 +26,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from prefixserve.cluster.api_schema import RequestModel
 from prefixserve.cluster.chat_protocol import (
@@ -40,6 +41,7 @@ from prefixserve.cluster.chat_protocol import (
     tool_mode,
 )
 from prefixserve.router.sampling_params import (
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_N,
@@ -59,6 +61,20 @@ MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: each costs the worker on ev
 # Digits in a token id written as text (logit_bias keys): every id below 2**31 fits, and a
 # longer key is refused before int() reads it (Python's int() refuses past 4,300 digits).
 MAX_TOKEN_ID_DIGITS = 10
+
+# Fields of OpenAI's and vLLM's requests that would change the answer and that prefixserve does
+# not implement, each with its neutral values (what it means when absent): any other value is a
+# 400 naming the field, never silently ignored.
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "prompt_logprobs": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0), "logits_processors": (None, []), "priority": (None, 0),
+    "guided_whitespace_pattern": (None,), "return_tokens_as_token_ids": (None, False),
+    "vllm_xargs": (None, {}),
+}
+COMPLETION_REFUSED = {**REFUSED, "echo": (None, False), "suffix": (None, "")}
+CHAT_REFUSED = {**REFUSED, "echo": (None, False), "continue_final_message": (None, False),
+                "chat_template": (None,), "documents": (None,), "functions": (None,),
+                "function_call": (None,), "audio": (None,), "modalities": (None, ["text"])}
 
 
 class StreamOptions(RequestModel):
@@ -99,6 +115,7 @@ def _spec(value: Constraint | list[str], field: str) -> str:
 
 
 class _SamplingRequest(RequestModel):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = REFUSED
     """Fields both endpoints share."""
 
     model: str | None = None  # None: the served model
@@ -126,6 +143,27 @@ class _SamplingRequest(RequestModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = None
+    best_of: int | None = None  # OpenAI's completions; vLLM's chat too: only `n` is served
+    # vLLM's extensions for the output
+    allowed_token_ids: list[int] | None = Field(None, min_length=1,
+                                                max_length=MAX_ALLOWED_TOKEN_IDS)
+    include_stop_str_in_output: bool = False  # the stop string or token ends the text
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # no effect: a fast tokenizer decodes without
+    truncate_prompt_tokens: int | None = Field(None, ge=1)  # keep the prompt's last k tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            errors = [InitErrorDetails(type=PydanticCustomError(
+                "unsupported", "{field} is not supported", {"field": name}),
+                loc=(name,), input=data[name])
+                for name, neutral in cls.REFUSED.items()
+                if name in data and data[name] not in neutral]
+            if errors:
+                raise ValidationError.from_exception_data(cls.__name__, errors)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -140,7 +178,7 @@ class _SamplingRequest(RequestModel):
                 raise ValueError(f"stop strings must be at most {MAX_STOP_LEN} characters")
         return value
 
-    @field_validator("stop_token_ids")
+    @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
     def _check_stop_ids(cls, value: list[int] | None) -> list[int] | None:
         if value and any(t < 0 for t in value):
@@ -216,7 +254,9 @@ class _SamplingRequest(RequestModel):
         return None
 
     @model_validator(mode="after")
-    def _check_min_tokens(self) -> _SamplingRequest:
+    def _check_counts(self) -> _SamplingRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must equal n when given)")
         limit = self.max_output_tokens
         if limit is not None and self.min_tokens > limit:
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed the maximum "
@@ -265,6 +305,8 @@ class _SamplingRequest(RequestModel):
             fields["min_tokens"] = self.min_tokens
         if self.logit_bias:
             fields["logit_bias"] = self.logit_bias_ids
+        if self.allowed_token_ids:
+            fields["allowed_token_ids"] = tuple(self.allowed_token_ids)
         fields["structured"] = self.structured_output()
         return SamplingParams(**fields)
 
@@ -273,12 +315,11 @@ PromptInput = str | list[int]
 
 
 class CompletionRequest(_SamplingRequest):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = COMPLETION_REFUSED
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
-    best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS before a text prompt
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -299,26 +340,6 @@ class CompletionRequest(_SamplingRequest):
             raise ValueError("prompt must not be empty")
         return prompt
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        if value:
-            raise ValueError("suffix is not supported")
-        return value
-
-    @model_validator(mode="after")
-    def _check_best_of(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of is not supported (it must equal n when given)")
-        return self
-
     @property
     def max_output_tokens(self) -> int | None:
         return self.max_tokens
@@ -334,6 +355,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = CHAT_REFUSED
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -344,6 +366,7 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extension, for chat templates
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension: template variables
+    add_special_tokens: bool = False  # vLLM: the template writes BOS itself
 
     _tools = field_validator("tools")(check_tools)
     _tool_choice = field_validator("tool_choice", mode="wrap")(check_tool_choice)

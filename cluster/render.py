@@ -130,6 +130,10 @@ def _finish(deltas: list[ChoiceDelta]) -> str | None:
     return deltas[-1].finish_reason if deltas else None
 
 
+def _stop_reason(deltas: list[ChoiceDelta]) -> int | str | None:
+    return deltas[-1].stop_reason if deltas else None
+
+
 def _tool_finish(finish: str | None, called: bool) -> str | None:
     """An answer that called tools and ended by itself finishes with `tool_calls`."""
     return "tool_calls" if called and finish == "stop" else finish
@@ -168,7 +172,8 @@ class Renderer:
         for i, ds in enumerate(per_choice):
             logprobs = self.completion_logprobs(ds) if req.logprobs is not None else None
             choices.append(CompletionChoice(index=i, text="".join(d.text for d in ds),
-                                            logprobs=logprobs, finish_reason=_finish(ds)))
+                                            logprobs=logprobs, finish_reason=_finish(ds),
+                                            stop_reason=_stop_reason(ds)))
         return CompletionResponse(id=gen.request_id, created=now(), model=self._model(gen),
                                   choices=choices, usage=gen.usage())
 
@@ -204,7 +209,8 @@ class Renderer:
                 tool_calls=[ToolCallOut(id=c.id or "", function=FunctionCallOut(
                     name=c.name or "", arguments=c.arguments)) for c in calls])
             choices.append(ChatChoice(index=i, message=message, logprobs=logprobs,
-                                      finish_reason=_tool_finish(_finish(ds), bool(calls))))
+                                      finish_reason=_tool_finish(_finish(ds), bool(calls)),
+                                      stop_reason=_stop_reason(ds)))
         return ChatCompletionResponse(id=gen.request_id, created=now(), model=self._model(gen),
                                       choices=choices, usage=gen.usage())
 
@@ -250,7 +256,8 @@ class Renderer:
                 if not (d.text or d.finish_reason or logprobs):
                     continue
                 choice = CompletionChoice(index=d.index, text=d.text, logprobs=logprobs,
-                                          finish_reason=d.finish_reason)
+                                          finish_reason=d.finish_reason,
+                                          stop_reason=d.stop_reason)
                 yield sse(CompletionChunk(id=gen.request_id, created=created,
                                           model=self._model(gen), choices=[choice]))
         if req.include_usage:
@@ -279,8 +286,10 @@ class Renderer:
                 if not parts and (finish or (logprobs and logprobs.content)):
                     parts = [ChatDelta()]
                 for k, part in enumerate(parts):  # logprobs with the first, finish the last
+                    last = k == len(parts) - 1
                     yield chunk([ChatChunkChoice(
                         index=d.index, delta=part, logprobs=None if k else logprobs,
-                        finish_reason=finish if k == len(parts) - 1 else None)])
+                        finish_reason=finish if last else None,
+                        stop_reason=d.stop_reason if last else None)])
         if req.include_usage:
             yield chunk([], gen.usage())

@@ -50,6 +50,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -97,6 +98,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -143,6 +145,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop token id or string that ended it
 
 
 class ChatCompletionChunk(BaseModel):

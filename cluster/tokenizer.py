@@ -285,13 +285,14 @@ class Tokenizer:
         """One token as text for logprobs (broken bytes shown as U+FFFD, as OpenAI does)."""
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def detokenizer(self, prompt_ids: Sequence[int] = (), keep: frozenset[int] = frozenset()
-                    ) -> IncrementalDetokenizer:
+    def detokenizer(self, prompt_ids: Sequence[int] = (), keep: frozenset[int] = frozenset(),
+                    skip_special: bool = True) -> IncrementalDetokenizer:
         """A detokenizer for output that follows `prompt_ids` (whose text is not emitted),
-        writing the special tokens in `keep` and skipping the others."""
+        writing the special tokens in `keep` and skipping the others (all written without
+        `skip_special`)."""
         tail = list(prompt_ids[-_PROMPT_CONTEXT_TOKENS:])
         return IncrementalDetokenizer(self, tail, prefix_offset=0, read_offset=len(tail),
-                                      keep=keep)
+                                      keep=keep, skip_special=skip_special)
 
 
 @dataclass
@@ -308,13 +309,16 @@ class IncrementalDetokenizer:
     prefix_offset: int = 0
     read_offset: int = 0  # tokens before it are context only (the prompt's tail)
     keep: frozenset[int] = frozenset()  # special tokens written as text (tool-call markers)
+    skip_special: bool = True  # False: every special token is written (vLLM's option)
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special, keep=self.keep)
 
     def add(self, token_ids: Sequence[int]) -> str:
         """Append tokens; return the newly complete text (possibly empty)."""
         self.tokens.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset],
-                                            keep=self.keep)
-        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :], keep=self.keep)
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
         if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
             self.prefix_offset = self.read_offset
             self.read_offset = len(self.tokens)
@@ -325,9 +329,8 @@ class IncrementalDetokenizer:
         """At the end of the output: whatever is held back, broken bytes shown as U+FFFD."""
         if self.read_offset >= len(self.tokens):
             return ""
-        prefix_text = self.tokenizer.decode(self.tokens[self.prefix_offset : self.read_offset],
-                                            keep=self.keep)
-        new_text = self.tokenizer.decode(self.tokens[self.prefix_offset :], keep=self.keep)
+        prefix_text = self._decode(self.tokens[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.tokens[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.tokens)
         return new_text[len(prefix_text) :]
 
@@ -336,17 +339,20 @@ class StopChecker:
     """Finds stop strings in streamed text; holds back a tail that could start one.
 
     `add` returns the text that is safe to emit and whether a stop string matched (the output
-    then ends just before it, and the stop string itself is not part of the output). With
-    ``check=False`` (before a request's ``min_tokens``, as vLLM) the text is taken in without
-    searching: a stop string that ends there does not count.
+    then ends just before it: the stop string itself is not part of the output, unless
+    ``include``, vLLM's include_stop_str_in_output). With ``check=False`` (before a request's
+    ``min_tokens``, as vLLM) the text is taken in without searching: a stop string that ends
+    there does not count.
     """
 
-    def __init__(self, stops: Sequence[str] = ()) -> None:
+    def __init__(self, stops: Sequence[str] = (), include: bool = False) -> None:
         self.stops = [s for s in stops if s]
+        self.include = include
         self._max_len = max((len(s) for s in self.stops), default=0)
         self.text = ""  # all text seen so far (truncated at the match once stopped)
         self.emitted = 0  # characters of `text` already handed out
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def add(self, new_text: str, check: bool = True) -> tuple[str, bool]:
         if self.stopped:
@@ -358,9 +364,11 @@ class StopChecker:
         # A match must end inside the new text; older text was already searched.
         start = max(0, len(self.text) - self._max_len + 1)
         self.text += new_text
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0] if check else []
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, start)) >= 0] \
+            if check else []
         if hits:
-            end = min(hits)
+            at, self.matched = min(hits, key=lambda hit: hit[0])
+            end = at + len(self.matched) if self.include else at
             out = self.text[self.emitted : end]
             self.text = self.text[:end]
             self.emitted = end

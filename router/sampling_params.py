@@ -20,6 +20,7 @@ MAX_SEED = 2**63 - 1  # cluster/protocol.py accepts the same range; seed + index
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's and vLLM's bound)
 MAX_LOGIT_BIAS = 100.0  # |bias| (OpenAI's bound)
+MAX_ALLOWED_TOKEN_IDS = 1024  # allowed_token_ids: each costs the worker on every step
 # What a structured output constrains to: a JSON schema ("" for any JSON object), a regular
 # expression, one of a JSON list of strings, an EBNF grammar (xgrammar's dialect, as vLLM's),
 # or a structural tag (free text with schema-held sections after trigger strings).
@@ -53,11 +54,14 @@ class SamplingParams:
     min_p: float = 0.0  # in [0, 1]; 0 => off
     min_tokens: int = 0  # EOS and stop_token_ids are held back until this many were generated
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: only these may be drawn (list ok)
     structured: StructuredOutput | None = None  # None: free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_token_ids, list):
             self.stop_token_ids = tuple(self.stop_token_ids)
+        if isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = tuple(self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -93,6 +97,13 @@ class SamplingParams:
         stops = self.stop_token_ids
         if not isinstance(stops, tuple) or not all(is_int(s) and s >= 0 for s in stops):
             fail("stop_token_ids", "must be non-negative integers")
+        allowed = self.allowed_token_ids
+        if allowed is not None and not (
+            isinstance(allowed, tuple) and 1 <= len(allowed) <= MAX_ALLOWED_TOKEN_IDS
+            and all(is_int(t) and t >= 0 for t in allowed)
+        ):
+            fail("allowed_token_ids", f"must be None or 1 to {MAX_ALLOWED_TOKEN_IDS} "
+                 "non-negative token ids")
 
         def in_range(v, low: float, high: float) -> bool:
             ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)

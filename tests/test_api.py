@@ -27,7 +27,7 @@ from prefixserve.cluster.local_redis import LocalRedis, free_port
 from prefixserve.cluster.render import WORKER_HEADER, sse, sse_body
 from prefixserve.cluster.responses import CompletionChoice, CompletionChunk
 from prefixserve.cluster.tokenizer import Tokenizer
-from prefixserve.workers.builtin import ensure_builtin_model
+from prefixserve.workers.builtin import EOT_ID, ensure_builtin_model
 from prefixserve.workers.checkpoints import BUILTIN_MODEL_NAME
 
 APP = "prefixserve-test"
@@ -586,6 +586,56 @@ def test_vllm_sampling_fields_reach_the_sampler(base_url: str, tok: Tokenizer) -
     r = post(base_url, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 6  # min_tokens: no early EOS
+
+
+@pytest.mark.cluster
+def test_vllm_output_options_over_http(base_url: str, tok: Tokenizer) -> None:
+    a = tok.encode("a", add_special_tokens=False)[-1]
+
+    def choice(extra: dict, stream: bool = False) -> dict:
+        body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "logit_bias": {str(a): 100}}
+        if stream:
+            events = sse_events(base_url, "/v1/completions", body | extra | {"stream": True})
+            chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+            return {"text": "".join(c["text"] for c in chunks),
+                    "stop_reason": chunks[-1]["stop_reason"]}
+        r = post(base_url, "/v1/completions", body | extra)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    # a stop token ends the text before it and is named; vLLM's option keeps its text
+    for stream in (False, True):
+        got = choice({"stop_token_ids": [a]}, stream)
+        assert (got["text"], got["stop_reason"]) == ("", a)
+        got = choice({"stop_token_ids": [a], "include_stop_str_in_output": True}, stream)
+        assert (got["text"], got["stop_reason"]) == ("a", a)
+        got = choice({"stop": ["aa"], "include_stop_str_in_output": True}, stream)
+        assert (got["text"], got["stop_reason"]) == ("aa", "aa")
+    assert choice({"stop": ["aa"]})["text"] == ""
+    assert choice({})["stop_reason"] is None  # ended by length
+    # EOS: skipped as a special token; written with skip_special_tokens false and kept
+    eot = {"logit_bias": {str(EOT_ID): 100}}
+    got = choice(eot)
+    assert (got["text"], got["finish_reason"], got["stop_reason"]) == ("", "stop", None)
+    kept = choice(eot | {"skip_special_tokens": False, "include_stop_str_in_output": True})
+    assert kept["text"] == "<|eot_id|>"
+    # only the allowed tokens are drawn
+    allowed = tok.encode("xyz", add_special_tokens=False)
+    r = post(base_url, "/v1/completions", {"prompt": "Hello", "max_tokens": 12, "seed": 5,
+                                           "ignore_eos": True, "allowed_token_ids": allowed})
+    text = r.json()["choices"][0]["text"]
+    assert len(text) == 12 and set(text) <= set("xyz"), text
+    # the prompt's last k tokens; the BOS only when asked
+    usage = [post(base_url, "/v1/completions", {"prompt": "Hello world", "max_tokens": 1} | x
+                  ).json()["usage"]["prompt_tokens"]
+             for x in ({}, {"truncate_prompt_tokens": 3}, {"add_special_tokens": False})]
+    assert usage == [12, 3, 11]
+    chat = [post(base_url, "/v1/chat/completions", {"max_tokens": 1, "messages": [
+        {"role": "user", "content": "Hi"}]} | x).json()["usage"]["prompt_tokens"]
+            for x in ({}, {"add_special_tokens": True}, {"truncate_prompt_tokens": 4})]
+    assert chat[1] == chat[0] + 1 and chat[2] == 4  # BOS again before the template's
+    r = post(base_url, "/v1/completions", {"prompt": "x", "prompt_logprobs": 2})
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "prompt_logprobs")
 
 
 @pytest.mark.cluster

@@ -431,6 +431,20 @@ def test_min_tokens_holds_back_stop_tokens_as_transformers(llama) -> None:
     assert res.samples[0].finish_reason == ("stop" if want[-1] == stop else "length")
 
 
+def test_allowed_token_ids_through_the_engine(llama) -> None:
+    path, model = llama
+    batch = prompts(7, 11, start=3)
+    allowed = [t for t in range(40, 60) if t not in hf_greedy(model, batch[0], 6)]
+    # the referee: transformers' greedy with every other token out of reach
+    want = greedy_by_hand(model, batch[0], 6, 0.0, 0.0,
+                          {t: -1e9 for t in range(VOCAB) if t not in allowed})
+    free = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    held = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, allowed_token_ids=allowed)
+    constrained, other = engine(path).generate(batch, [held, free])
+    assert constrained.samples[0].token_ids == want and set(want) <= set(allowed)
+    assert other.samples[0].token_ids == hf_greedy(model, batch[1], 6)  # its batch mate: free
+
+
 def test_logprobs(llama) -> None:
     path, _ = llama
     eng = engine(path)
@@ -455,6 +469,10 @@ def test_logprobs(llama) -> None:
         ([1, 2], SamplingParams(temperature=-1.0), "temperature"),
         ([1] * 100, GREEDY, "at most what its KV cache holds"),
         ([1, 2], SamplingParams(logit_bias={VOCAB: 1.0}), "logit_bias token id 256"),
+        ([1, 2], SamplingParams(allowed_token_ids=[3, VOCAB]), "allowed_token_ids token id 256"),
+        ([1, 2], SamplingParams(allowed_token_ids=[]), "allowed_token_ids must be"),
+        ([1, 2], SamplingParams(allowed_token_ids=[5], stop_token_ids=[5], min_tokens=2),
+         "every allowed token ends the output"),
     ],
 )
 def test_bad_input_is_rejected_and_engine_keeps_serving(llama, prompt, params, match) -> None:

@@ -1,5 +1,6 @@
-"""vLLM's penalties, logit_bias, min_tokens and min_p against transformers' logits processors
-(or hand-built logits where transformers has none), and their place in the Sampler."""
+"""vLLM's penalties, logit_bias, allowed_token_ids, min_tokens and min_p against transformers'
+logits processors (or hand-built logits where transformers has none), and their place in the
+Sampler."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from transformers import (
     MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     SequenceBiasLogitsProcessor,
+    SuppressTokensLogitsProcessor,
 )
 
 from prefixserve.router.sampling_params import SamplingParams
@@ -106,6 +108,38 @@ def test_logit_bias_matches_transformers_sequence_bias() -> None:
     assert torch.allclose(got[:1], want)
     assert torch.equal(got[1], logits[1])
     assert got[0].argmax().item() == 4
+
+
+def test_allowed_token_ids_leave_what_transformers_leaves_suppressing_the_rest() -> None:
+    logits = logits_rows(3, 6)
+    allowed = (3, 17, 39)
+    params = [SamplingParams(allowed_token_ids=allowed), SamplingParams(),
+              SamplingParams(allowed_token_ids=(5, 6), logit_bias={5: 100.0, 7: 100.0})]
+    got = process_logits(logits, params, None)
+    others = [t for t in range(V) if t not in allowed]
+    want = SuppressTokensLogitsProcessor(others)(torch.tensor([[1]]), logits[:1].clone())
+    assert torch.equal(got[0], want[0])
+    assert torch.equal(got[1], logits[1])
+    # the bias applies after: a biased token outside the set stays out
+    assert int(torch.isfinite(got[2]).sum()) == 2 and int(got[2].argmax()) == 5
+    assert got[2, 6] == logits[2, 6]
+    row = logits[0].clone()
+    row[0], row[list(allowed)] = 10.0, torch.tensor([0.0, 0.3, 0.6])
+    seeded = [SamplingParams(allowed_token_ids=allowed, logprobs=1, seed=s) for s in range(16)]
+    ids, lps = Sampler().sample(row.expand(16, V), seeded, [make_generator(p) for p in seeded])
+    assert set(ids) <= set(allowed) and len(set(ids)) > 1  # draws within the set
+    assert lps[0].top[0][0] == 0  # logprobs stay raw
+
+
+def test_a_row_left_nothing_to_draw_takes_its_unmasked_logits_back() -> None:
+    raw = logits_rows(3, 7)
+    raw[0, 1:] = float("-inf")  # a grammar that allows only token 0 (EOS, say) on rows 0, 1
+    raw[1, 1:] = float("-inf")
+    params = [SamplingParams(min_tokens=2, logit_bias={0: 1.5}),
+              SamplingParams(allowed_token_ids=(4, 5)), SamplingParams(allowed_token_ids=(4,))]
+    got = process_logits(raw, params, [history([1], [], (0,)), None, None])
+    assert got[0, 0] == raw[0, 0] + 1.5 and torch.equal(got[1], raw[1])  # bias still applies
+    assert int(torch.isfinite(got[2]).sum()) == 1 and got[2, 4] == raw[2, 4]  # masked as asked
 
 
 @pytest.mark.parametrize("min_p", [0.05, 0.2, 0.9, 1.0])

@@ -75,6 +75,19 @@ def test_completion_prompt_forms() -> None:
         ({"prompt": "x", "guided_grammar": "x" * 70000}, None, "longer than 65536"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 2}, None, "best_of is not supported"),
+        ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
+        ({"prompt": "x", "bad_words": ["no"]}, "bad_words", "not supported"),
+        ({"prompt": "x", "use_beam_search": True}, "use_beam_search", "not supported"),
+        ({"prompt": "x", "priority": -1}, "priority", "not supported"),
+        ({"prompt": "x", "logits_processors": ["mod.fn"]}, "logits_processors", "not supported"),
+        ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+        ({"prompt": "x", "allowed_token_ids": [3, -1]}, "allowed_token_ids", "non-negative"),
+        ({"prompt": "x", "allowed_token_ids": list(range(1025))}, "allowed_token_ids",
+         "at most 1024"),
+        ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens",
+         "greater than or equal to 1"),
+        ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output",
+         "valid boolean"),
         ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
         ({"prompt": "x", "cache_salt": ""}, "cache_salt", "at least 1 character"),
         ({}, "prompt", "Field required"),
@@ -108,6 +121,33 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted() -> None:
         "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
         "response_format": {"type": "text"},
     }))
+    # every refused field at its neutral value (what it means when absent) is no error
+    neutral = {"prompt_logprobs": None, "bad_words": [], "use_beam_search": False,
+               "length_penalty": 1.0, "logits_processors": None, "priority": 0,
+               "guided_whitespace_pattern": None, "return_tokens_as_token_ids": False,
+               "vllm_xargs": {}}
+    CompletionRequest.model_validate_json(json.dumps(
+        {"prompt": "x", "echo": False, "suffix": None, **neutral}))
+    ChatCompletionRequest.model_validate_json(json.dumps({
+        "messages": [{"role": "user", "content": "x"}], "echo": False, "best_of": 1,
+        "continue_final_message": False, "chat_template": None, "functions": None,
+        "modalities": ["text"], **neutral}))
+
+
+def test_vllm_output_options() -> None:
+    req = CompletionRequest.model_validate_json(json.dumps({
+        "prompt": [5, 6, 7], "allowed_token_ids": [3, 9], "include_stop_str_in_output": True,
+        "skip_special_tokens": False, "spaces_between_special_tokens": False,
+        "truncate_prompt_tokens": 2, "add_special_tokens": False}))
+    assert req.sampling_params(4, None).allowed_token_ids == (3, 9)
+    assert (req.include_stop_str_in_output, req.skip_special_tokens) == (True, False)
+    assert (req.truncate_prompt_tokens, req.add_special_tokens) == (2, False)
+    plain = CompletionRequest.model_validate_json('{"prompt": "x"}')
+    assert plain.sampling_params(4, None).allowed_token_ids is None
+    assert (plain.include_stop_str_in_output, plain.skip_special_tokens) == (False, True)
+    assert (plain.truncate_prompt_tokens, plain.add_special_tokens) == (None, True)
+    chat = ChatCompletionRequest.model_validate_json('{"messages":[{"role":"user","content":""}]}')
+    assert chat.add_special_tokens is False  # vLLM's default: the template writes BOS
 
 
 def test_sampling_params() -> None:
@@ -213,6 +253,22 @@ def test_chat_messages() -> None:
          "logit_bias", "biases must be in"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens", "greater than or equal to 1"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "messages.0.content", "needs its `text`"),
+        ({"messages": [{"role": "user", "content": "x"}], "best_of": 3}, None,
+         "best_of is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
+         "not supported"),
+        ({"messages": [{"role": "assistant", "content": "x"}], "continue_final_message": True},
+         "continue_final_message", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+         "chat_template", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "functions": [{"name": "f"}]},
+         "functions", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "modalities": ["text", "audio"]},
+         "modalities", "not supported"),
+        ({"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 0},
+         "prompt_logprobs", "not supported"),
     ],
 )
 def test_chat_rejects(body: dict, param: str | None, fragment: str) -> None:

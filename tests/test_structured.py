@@ -100,6 +100,21 @@ def test_regex_choice_and_grammar(eng: LLMEngine, tok: Tokenizer) -> None:
         assert re.fullmatch(r"\([0-9]+\)", text) or reason == "length", text
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_grammar_wins_over_masks_that_leave_it_nothing(eng: LLMEngine, tok: Tokenizer,
+                                                           temperature: float) -> None:
+    """min_tokens past the grammar's end, allowed_token_ids outside every token it allows:
+    the text still fits the constraint (it ends where the grammar does)."""
+    choices = json.dumps(["yes", "no"])
+    (text, reason), = run(eng, tok, "choice", choices, temperature=temperature, seed=1,
+                          min_tokens=6, max_tokens=10)
+    assert text in ("yes", "no") and reason == "stop"
+    outside = tuple(tok.encode("qz").ids)
+    (text, reason), = run(eng, tok, "choice", choices, temperature=temperature, seed=1,
+                          allowed_token_ids=outside)
+    assert text in ("yes", "no") and reason == "stop"
+
+
 def test_greedy_is_reproducible_and_logprobs_follow_the_mask(eng: LLMEngine,
                                                             tok: Tokenizer) -> None:
     schema = json.dumps(SCHEMAS[1])
@@ -139,8 +154,10 @@ def test_preempted_samples_stay_in_shape(tok: Tokenizer) -> None:
 ])
 def test_bad_constraints_are_refused_naming_the_field(eng: LLMEngine, kind: str, spec: str,
                                                       says: str) -> None:
-    with pytest.raises(InvalidRequestError, match=says):
+    with pytest.raises(InvalidRequestError, match=says) as info:
         eng.grammars.compile(StructuredOutput(kind, spec, "response_format"))
+    # the reason, without the time and C++ source place xgrammar's messages begin with
+    assert not re.search(r"\.cc:[0-9]+|\[[0-9]{2}:[0-9]{2}", str(info.value)), info.value
 
 
 async def test_compiling_runs_off_the_loop_within_its_time_limit(

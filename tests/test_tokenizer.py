@@ -70,6 +70,12 @@ def test_incremental_detokenize_skips_prompt_and_special_tokens(tok: Tokenizer) 
     assert out == ", the fox"
 
 
+def test_detokenizer_writes_special_tokens_when_asked(tok: Tokenizer) -> None:
+    eos = tok.encode("</s>", add_special_tokens=False)
+    detok = tok.detokenizer(tok.encode("hi"), skip_special=False)
+    assert detok.add(tok.encode(", the fox")) + detok.add(eos) + detok.flush() == ", the fox</s>"
+
+
 def test_flush_shows_an_unfinished_character_as_replacement(tok: Tokenizer) -> None:
     emoji_bytes = [i for i in tok.encode("🙂") if tok.token_text(i) == "\ufffd"]
     detok = tok.detokenizer()
@@ -110,6 +116,17 @@ def test_stop_checker_earliest_match_and_flush() -> None:
     assert held.add("hello xy") == ("hello ", False)
     assert held.flush() == "xy"
     assert StopChecker().add("free text") == ("free text", False)
+
+
+def test_stop_checker_names_the_match_and_can_keep_it() -> None:
+    stop = StopChecker(["cd", "bcde"], include=True)
+    assert stop.add("ab") == ("a", False)  # "b" could start "bcde"
+    assert stop.add("cdef") == ("bcde", True)  # the earliest match, kept in the output
+    assert (stop.matched, stop.text) == ("bcde", "abcde")
+    plain = StopChecker(["cd", "bcde"])
+    assert plain.add("xxcdyy") == ("xx", True)
+    assert plain.matched == "cd"
+    assert StopChecker(["q"]).matched is None
 
 
 def test_stop_strings_before_min_tokens_do_not_count() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import select
 import subprocess
 import sys
@@ -30,6 +31,8 @@ import msgpack
 CHILD_NICENESS = 10  # the child's `nice` increment: the engine's threads come first
 START_TIMEOUT_S = 60.0  # a fresh child imports xgrammar and torch (~3 s on 2 cores)
 _HEADER = 4  # bytes of a frame's length
+# xgrammar's errors begin `[18:38:04] /project/cpp/json_schema_converter.cc:5082: `
+_SOURCE_PLACE = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 class CompileError(Exception):
@@ -92,8 +95,10 @@ def build_grammar(compiler: Any, kind: str, spec: str) -> Any:
 
 
 def first_line(exc: BaseException) -> str:
+    """The error's first line, without the time and C++ source place xgrammar's messages start
+    with (a client reads the reason, not our build's paths)."""
     text = str(exc).strip() or type(exc).__name__
-    return text.splitlines()[0][:500]
+    return _SOURCE_PLACE.sub("", text.splitlines()[0])[:500]
 
 
 def _write_frame(out: IO[bytes], message: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from prefixserve.workers.engine_types import (
 from prefixserve.workers.errors import InvalidRequestError, StepFailedError
 from prefixserve.workers.kv_cache import KVCacheManager
 from prefixserve.workers.kv_tensor import fit_max_model_len
-from prefixserve.workers.request_checks import checked_request
+from prefixserve.workers.request_checks import checked_request, stop_ids
 from prefixserve.workers.scheduler import Scheduler, SchedulerOutput, SeqStatus, Sequence
 
 if TYPE_CHECKING:
@@ -186,11 +186,9 @@ class EngineCore:
             raise InvalidRequestError(f"duplicate request_id {request_id!r}")
         prompt = checked_request(prompt_token_ids, sampling_params, cache_salt, tenant,
                                  self.max_model_len, self.vocab_size)
-        stop = set(sampling_params.stop_token_ids)
-        if not sampling_params.ignore_eos:
-            stop.update(self.eos_token_ids)
-        req = EngineRequest(request_id, sampling_params, len(prompt), frozenset(stop),
-                            grammar=grammar, lora=lora)
+        req = EngineRequest(request_id, sampling_params, len(prompt),
+                            stop_ids(sampling_params, self.eos_token_ids), grammar=grammar,
+                            lora=lora)
         adapter = None if lora is None else lora.identity
         hasher = blocks.BlockHasher(self.block_size, self.namespace(cache_salt, adapter))
         hasher.append(prompt)

@@ -1,7 +1,9 @@
-"""vLLM's request-level logits processors: min_tokens, logit_bias, penalties and min_p.
+"""vLLM's request-level logits processors: allowed_token_ids, min_tokens, logit_bias, penalties
+and min_p.
 
-They follow vllm/v1/sample: min_tokens and logit_bias, then repetition / frequency / presence
-penalties, all on the raw logits before the greedy argmax and before temperature; min_p after
+They follow vllm/v1/sample: allowed_token_ids, min_tokens and logit_bias, then repetition /
+frequency / presence penalties, all on the raw logits before the greedy argmax and before
+temperature; min_p after
 temperature, ahead of top-k / top-p. Each is a pure function of a [batch, vocab] float logits
 tensor, the rows' SamplingParams and, for the ones that look at what was generated, each row's
 `TokenHistory`. Every function returns its input untouched when no row uses it, so a batch at
@@ -65,19 +67,25 @@ def process_logits(
     params: Sequence[SamplingParams],
     histories: Sequence[TokenHistory | None] | None,
 ) -> torch.Tensor:
-    """min_tokens, logit_bias, then penalties (vLLM's order); a new tensor when any applies."""
+    """allowed_token_ids, min_tokens, logit_bias, then penalties (vLLM's order); a new tensor
+    when any applies."""
     hist: Sequence[TokenHistory | None] = histories or [None] * len(params)
+    allowed = [i for i, p in enumerate(params) if p.allowed_token_ids]
     held = [
         i for i, p in enumerate(params)
         if p.min_tokens > 0 and _history(hist, i).num_output_tokens < p.min_tokens
     ]
     biased = [i for i, p in enumerate(params) if p.logit_bias]
     penalized = [i for i, p in enumerate(params) if _penalized(p)]
-    if not (held or biased or penalized):
+    if not (allowed or held or biased or penalized):
         return logits
-    logits = logits.clone()  # the raw logits still give the reported logprobs
+    raw, logits = logits, logits.clone()  # the raw logits still give the reported logprobs
+    if allowed:
+        _allow_only(logits, allowed, [params[i].allowed_token_ids or () for i in allowed])
     if held:
         _hold_stops(logits, held, [_history(hist, i).stop_ids for i in held])
+    if allowed or held:
+        _keep_drawable(logits, raw, sorted({*allowed, *held}))
     if biased:
         _add_bias(logits, biased, [params[i].logit_bias for i in biased])
     if penalized:
@@ -100,6 +108,25 @@ def _pairs(rows: list[int], cols: Sequence[Collection[int]], device: torch.devic
     r = torch.tensor(rows, device=device).repeat_interleave(lengths)
     c = torch.tensor(list(chain.from_iterable(cols)), dtype=torch.long, device=device)
     return r, c
+
+
+def _allow_only(logits: torch.Tensor, rows: list[int], allowed: list[Collection[int]]) -> None:
+    """allowed_token_ids: every other token of the row to -inf (the ids are in the vocabulary:
+    the engine checked them)."""
+    r, c = _pairs(rows, allowed, logits.device)
+    kept = logits[r, c]
+    logits[torch.tensor(rows, device=logits.device)] = float("-inf")
+    logits.index_put_((r, c), kept)
+
+
+def _keep_drawable(logits: torch.Tensor, raw: torch.Tensor, rows: list[int]) -> None:
+    """A row the masks left nothing to draw from takes its unmasked logits back: a structured
+    output's grammar (applied to `raw` before) that allows only EOS or only tokens outside
+    allowed_token_ids wins over min_tokens and allowed_token_ids, so the text still fits it."""
+    idx = torch.tensor(rows, device=logits.device)
+    dead = idx[torch.isneginf(logits.index_select(0, idx).amax(dim=-1))]
+    if len(dead):
+        logits[dead] = raw[dead]
 
 
 def _hold_stops(logits: torch.Tensor, rows: list[int], stops: list[tuple[int, ...]]) -> None:

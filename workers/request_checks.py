@@ -46,9 +46,25 @@ def checked_request(
         raise InvalidRequestError(
             f"token id {bad} is outside the vocabulary [0, {vocab_size})"
         )
-    biased = [t for t in sampling_params.logit_bias or () if t >= vocab_size]
-    if biased:  # an out-of-range index would fail the whole batch's step
-        raise InvalidRequestError(
-            f"logit_bias token id {biased[0]} is outside the vocabulary [0, {vocab_size})"
-        )
+    for field, ids in (("logit_bias", sampling_params.logit_bias or ()),
+                       ("allowed_token_ids", sampling_params.allowed_token_ids or ())):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:  # an out-of-range index would fail the whole batch's step
+            raise InvalidRequestError(
+                f"{field} token id {outside[0]} is outside the vocabulary [0, {vocab_size})",
+                field)
     return prompt
+
+
+def stop_ids(sampling_params: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The tokens that end a request's output: its stop_token_ids, and EOS unless ignore_eos.
+    Refuses allowed_token_ids that are all such tokens while min_tokens holds them back (no
+    token could be drawn)."""
+    stop = set(sampling_params.stop_token_ids)
+    if not sampling_params.ignore_eos:
+        stop.update(eos_token_ids)
+    allowed = sampling_params.allowed_token_ids
+    if allowed and sampling_params.min_tokens and stop.issuperset(allowed):
+        raise InvalidRequestError("allowed_token_ids: every allowed token ends the output, and "
+                                  "min_tokens holds them back", "allowed_token_ids")
+    return frozenset(stop)

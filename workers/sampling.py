@@ -1,8 +1,8 @@
-"""The batched sampler (the settings it reads are in workers/sampling_params.py).
+"""The batched sampler (the settings it reads are in router/sampling_params.py).
 
-Order of operations (as in vLLM v1): min_tokens, logit_bias and the penalties on the raw logits
-(workers/logits_processors.py; greedy takes their argmax), then temperature, min_p, top-k,
-top-p, and a draw.
+Order of operations (as in vLLM v1): allowed_token_ids, min_tokens, logit_bias and the
+penalties on the raw logits (workers/logits_processors.py; greedy takes their argmax), then
+temperature, min_p, top-k, top-p, and a draw.
 Reported logprobs are those of the raw model distribution (log_softmax of the unmodified
 logits), as vLLM reports them by default, so they do not depend on temperature or truncation.
 A request with a `seed` draws from its own `torch.Generator` (see `make_generator`), so its
