@@ -57,6 +57,12 @@ def draws(logits: torch.Tensor, params: SamplingParams, n: int) -> list[int]:
         ("logit_bias", {-1: 1.0}),
         ("logit_bias", {"3": 1.0}),
         ("logit_bias", [(3, 1.0)]),
+        ("allowed_token_ids", ()),
+        ("allowed_token_ids", [3, -1]),
+        ("allowed_token_ids", (3, 1.0)),
+        ("allowed_token_ids", (True,)),
+        ("allowed_token_ids", {3}),
+        ("allowed_token_ids", tuple(range(1025))),
     ],
 )
 def test_validate_names_the_bad_field(field, value):
@@ -75,6 +81,14 @@ def test_validate_accepts_sane_params_and_lists():
         repetition_penalty=1.2, frequency_penalty=-2, presence_penalty=2.0, min_p=1,
         min_tokens=16, logit_bias={0: -100, 5: 100.0},
     ).validate()
+    with pytest.raises(InvalidRequestError, match=r"^allowed_token_ids must be None or 1 to "
+                       r"1024 non-negative token ids, got \(\)$"):
+        SamplingParams(allowed_token_ids=()).validate()
+    allowed = SamplingParams(allowed_token_ids=[0, 7])
+    allowed.validate()
+    assert allowed.allowed_token_ids == (0, 7)
+    SamplingParams(allowed_token_ids=tuple(range(1024))).validate()
+    SamplingParams(allowed_token_ids=(5,)).validate()
 
 
 def test_greedy_is_argmax_across_a_batch():
