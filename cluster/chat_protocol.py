@@ -134,6 +134,26 @@ class ChatMessage(RequestModel):
         return message
 
 
+def remote_ref(schema: Any) -> str | None:
+    """The first `$ref` of a JSON schema (an object, or its text) that points outside it."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:  # not JSON: the compile names the error
+            return None
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 class FunctionDefinition(RequestModel):
     name: FunctionName
     description: str | None = None

@@ -37,6 +37,7 @@ from prefixserve.cluster.chat_protocol import (
     ToolMode,
     check_tool_choice,
     check_tools,
+    remote_ref,
     tool_constraint,
     tool_mode,
 )
@@ -106,11 +107,13 @@ STRUCTURED_FIELDS = (("json_", "json"), ("regex", "regex"), ("choice", "choice")
                      ("grammar", "grammar"), ("structural_tag", "structural_tag"))
 
 
-def _spec(value: Constraint | list[str], field: str) -> str:
-    """A constraint's text, bounded: objects and lists as JSON."""
+def _spec(value: Constraint | list[str], field: str, kind: str = "json") -> str:
+    """A constraint's text, bounded; a schema's `$ref`s local (xgrammar reads others as any)."""
     text = value if isinstance(value, str) else json.dumps(value)
     if len(text) > MAX_STRUCTURED_CHARS:
         raise ValueError(f"{field} is longer than {MAX_STRUCTURED_CHARS} characters")
+    if kind in ("json", "structural_tag") and (ref := remote_ref(value)) is not None:
+        raise ValueError(f'{field}: only local $refs ("#...") are supported, got {ref[:80]!r}')
     return text
 
 
@@ -235,14 +238,14 @@ class _SamplingRequest(RequestModel):
         so = self.structured_outputs
         if so is not None:
             name, kind = next((n, k) for n, k in STRUCTURED_FIELDS if getattr(so, n) is not None)
-            found.append(StructuredOutput(kind, _spec(getattr(so, name), "structured_outputs"),
-                                          f"structured_outputs.{kind}"))
+            found.append(StructuredOutput(kind, _spec(getattr(so, name), "structured_outputs",
+                                                      kind), f"structured_outputs.{kind}"))
         if (tools := self.tool_constraint()) is not None:
             found.append(tools)
         for kind in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{kind}")
             if value is not None:
-                found.append(StructuredOutput(kind, _spec(value, f"guided_{kind}"),
+                found.append(StructuredOutput(kind, _spec(value, f"guided_{kind}", kind),
                                               f"guided_{kind}"))
         if len(found) > 1:
             raise ValueError(f"give one structured output, not {len(found)} "

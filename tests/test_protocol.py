@@ -73,6 +73,13 @@ def test_completion_prompt_forms() -> None:
           "structured_outputs": {"structural_tag": "{}"}}, None,
          "not 2 (response_format, structured_outputs.structural_tag)"),
         ({"prompt": "x", "guided_grammar": "x" * 70000}, None, "longer than 65536"),
+        ({"prompt": "x", "guided_json": {"properties": {"a": {"$ref": "http://x/s.json"}}}},
+         None, "guided_json: only local $refs (\"#...\") are supported, got 'http://x/s.json'"),
+        ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"items": [{"$ref": "other.json#/a"}]}}}}, None,
+         "response_format: only local $refs"),
+        ({"prompt": "x", "structured_outputs": {"json": '{"$ref": "s.json"}'}}, None,
+         "structured_outputs: only local $refs"),
         ({"prompt": "x", "suffix": "y"}, "suffix", "not supported"),
         ({"prompt": "x", "best_of": 2}, None, "best_of is not supported"),
         ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs", "not supported"),
@@ -121,6 +128,10 @@ def test_unknown_fields_are_ignored_and_neutral_values_accepted() -> None:
         "messages": [{"role": "user", "content": "x"}], "tools": [], "tool_choice": "none",
         "response_format": {"type": "text"},
     }))
+    local = {"$defs": {"a": {"type": "integer"}}, "properties": {"a": {"$ref": "#/$defs/a"}}}
+    for body in ({"guided_json": local}, {"structured_outputs": {"json": json.dumps(local)}},
+                 {"guided_regex": "$ref"}, {"structured_outputs": {"json": "{not json"}}):
+        assert CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **body}))
     # every refused field at its neutral value (what it means when absent) is no error
     neutral = {"prompt_logprobs": None, "bad_words": [], "use_beam_search": False,
                "length_penalty": 1.0, "logits_processors": None, "priority": 0,
@@ -253,6 +264,10 @@ def test_chat_messages() -> None:
          "logit_bias", "biases must be in"),
         ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
          "max_completion_tokens", "greater than or equal to 1"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required",
+          "tools": [{"type": "function", "function": {"name": "f", "parameters": {
+              "type": "object", "properties": {"a": {"$ref": "https://x/a.json"}}}}}]},
+         None, "tools: only local $refs"),
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
          "messages.0.content", "needs its `text`"),
         ({"messages": [{"role": "user", "content": "x"}], "best_of": 3}, None,
