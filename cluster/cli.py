@@ -163,7 +163,10 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
     def on_signal(signum: int, _: FrameType | None) -> None:
         stop.set()
 
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    def handle_signals() -> dict[int, Any]:
+        return {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    previous = handle_signals()
     local = args.address is None
     extra: dict[str, Any] = {}
     if args.metrics_export_port is not None:
@@ -174,6 +177,9 @@ def _run(config: ClusterConfig, args: argparse.Namespace) -> int:
                   "cluster's nodes export on their own port)", file=sys.stderr)
     ray.init(address=args.address or "local", include_dashboard=args.dashboard if local else None,
              **extra)
+    # ray.init takes SIGTERM for its own handler, which ends the process at once: a supervisor's
+    # stop would then skip the shutdown below and leave the private Redis running
+    handle_signals()
     try:
         serve.start(http_options={"host": config.host, "port": config.port},
                     logging_config=serve_logging(config))
