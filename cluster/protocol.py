@@ -118,8 +118,9 @@ def _spec(value: Constraint | list[str], field: str, kind: str = "json") -> str:
 
 
 class _SamplingRequest(RequestModel):
-    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = REFUSED
     """Fields both endpoints share."""
+
+    REFUSED: ClassVar[dict[str, tuple[Any, ...]]] = REFUSED
 
     model: str | None = None  # None: the served model
     stream: bool = False
@@ -147,8 +148,7 @@ class _SamplingRequest(RequestModel):
     guided_choice: list[str] | None = Field(None, min_length=1, max_length=1024)
     guided_grammar: str | None = None
     best_of: int | None = None  # OpenAI's completions; vLLM's chat too: only `n` is served
-    # vLLM's extensions for the output
-    allowed_token_ids: list[int] | None = Field(None, min_length=1,
+    allowed_token_ids: list[int] | None = Field(None, min_length=1,  # vLLM's output options
                                                 max_length=MAX_ALLOWED_TOKEN_IDS)
     include_stop_str_in_output: bool = False  # the stop string or token ends the text
     skip_special_tokens: bool = True
