@@ -70,8 +70,7 @@ REFUSED: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "bad_words": (None, []), "use_beam_search": (None, False),
     "length_penalty": (None, 1.0), "logits_processors": (None, []), "priority": (None, 0),
     "guided_whitespace_pattern": (None,), "return_tokens_as_token_ids": (None, False),
-    "vllm_xargs": (None, {}),
-}
+    "vllm_xargs": (None, {})}
 COMPLETION_REFUSED = {**REFUSED, "echo": (None, False), "suffix": (None, "")}
 CHAT_REFUSED = {**REFUSED, "echo": (None, False), "continue_final_message": (None, False),
                 "chat_template": (None,), "documents": (None,), "functions": (None,),
@@ -80,6 +79,7 @@ CHAT_REFUSED = {**REFUSED, "echo": (None, False), "continue_final_message": (Non
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 Constraint = str | dict[str, Any]  # a JSON schema as an object, or any constraint's text

@@ -134,6 +134,12 @@ def _stop_reason(deltas: list[ChoiceDelta]) -> int | str | None:
     return deltas[-1].stop_reason if deltas else None
 
 
+def _running_usage(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """vLLM's `continuous_usage_stats`: the usage so far in every chunk (with include_usage)."""
+    return req.include_usage and bool(req.stream_options and
+                                      req.stream_options.continuous_usage_stats)
+
+
 def _tool_finish(finish: str | None, called: bool) -> str | None:
     """An answer that called tools and ended by itself finishes with `tool_calls`."""
     return "tool_calls" if called and finish == "stop" else finish
@@ -247,6 +253,7 @@ class Renderer:
     async def completion_chunks(self, gen: Generation, req: CompletionRequest
                                 ) -> AsyncIterator[str]:
         created, offsets = now(), [0] * gen.num_choices
+        running = _running_usage(req)
         async with aclosing(gen.deltas()) as deltas:
             async for d in deltas:
                 logprobs = None
@@ -259,16 +266,18 @@ class Renderer:
                                           finish_reason=d.finish_reason,
                                           stop_reason=d.stop_reason)
                 yield sse(CompletionChunk(id=gen.request_id, created=created,
-                                          model=self._model(gen), choices=[choice]))
+                                          model=self._model(gen), choices=[choice],
+                                          usage=gen.usage() if running else None))
         if req.include_usage:
             yield sse(CompletionChunk(id=gen.request_id, created=created, model=self._model(gen),
                                       choices=[], usage=gen.usage()))
 
     async def chat_chunks(self, gen: Generation, req: ChatCompletionRequest
                           ) -> AsyncIterator[str]:
-        created = now()
+        created, running = now(), _running_usage(req)
 
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            usage = usage or (gen.usage() if running else None)
             return sse(ChatCompletionChunk(id=gen.request_id, created=created,
                                            model=self._model(gen), choices=choices, usage=usage))
 

@@ -639,6 +639,23 @@ def test_vllm_output_options_over_http(base_url: str, tok: Tokenizer) -> None:
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(base_url: str,
+                                                                    path: str) -> None:
+    body = {"max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body |= {"prompt": "Hello"} if "chat" not in path else {
+        "messages": [{"role": "user", "content": "Hello"}]}
+    chunks = [json.loads(e) for e in sse_events(base_url, path, body)[:-1]]
+    used = [c["usage"]["completion_tokens"] for c in chunks]
+    assert used == sorted(used) and used[-1] == 6 and len(chunks) > 2
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
+    body["stream_options"] = {"include_usage": True}  # only the last chunk carries it
+    chunks = [json.loads(e) for e in sse_events(base_url, path, body)[:-1]]
+    assert [c["usage"] is None for c in chunks] == [True] * (len(chunks) - 1) + [False]
+
+
+@pytest.mark.cluster
 def test_streamed_text_with_unicode_line_breaks_arrives_whole(base_url: str,
                                                               tok: Tokenizer) -> None:
     # U+0085 is two byte tokens; both forced, and the penalties make greedy decoding alternate.
