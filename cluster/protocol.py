@@ -183,7 +183,7 @@ class _SamplingRequest(RequestModel):
 
     @field_validator("stop_token_ids", "allowed_token_ids")
     @classmethod
-    def _check_stop_ids(cls, value: list[int] | None) -> list[int] | None:
+    def _check_token_ids(cls, value: list[int] | None) -> list[int] | None:
         if value and any(t < 0 for t in value):
             raise ValueError("token ids must be non-negative")
         return value
